@@ -1,0 +1,95 @@
+"""The attention dispatch point and the cache-free attention context.
+
+Model code never calls an attention implementation directly: it hands ``q, k, v`` to
+an *attention context* — `NoCache` here, `ContiguousKVCache` (models/kv_cache.py) or
+the rollout engine's paged cache — and the context picks the implementation registered
+under ``ModelConfig.attention_impl`` with `get_impl`. Kernels (``kernels_pallas``)
+plug in by registering a name; layer code does not change.
+
+A context is a pytree with:
+  * ``layers``: per-layer state with a leading ``[L]`` axis (scanned with the layer
+    stack; ``None`` when there is none),
+  * ``attend(impl, layer_state, q, k, v, positions) -> (out, new_layer_state)``,
+  * ``replace(layers=...)``.
+
+Shape legend: ``B`` batch, ``T`` query tokens, ``S`` key tokens, ``H`` query heads,
+``K`` KV heads, ``G = H // K``, ``Dh`` head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+NEG_INF = -1e30  # finite so fully-masked rows stay NaN-free
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          mask: jax.Array) -> jax.Array:
+  """Reference GQA attention (pure XLA, fp32 softmax).
+
+  Args:
+    q: ``[B, T, H, Dh]`` queries (RoPE applied).
+    k: ``[B, S, K, Dh]`` keys (RoPE applied).
+    v: ``[B, S, K, Dh]`` values.
+    mask: ``[B, T, S]`` bool, True where query ``t`` may attend key ``s``.
+  Returns:
+    ``[B, T, H, Dh]`` in fp32; rows with no visible key are zero.
+  """
+  B, T, H, Dh = q.shape
+  K = k.shape[2]
+  qg = q.reshape(B, T, K, H // K, Dh)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * (Dh ** -0.5)
+  m = mask[:, None, None, :, :]
+  logits = jnp.where(m, logits, NEG_INF)
+  probs = jax.nn.softmax(logits, axis=-1)
+  probs = jnp.where(m, probs, 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+  return out.reshape(B, T, H, Dh)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionImpl:
+  """The functions one implementation provides (more fields as kernels land)."""
+
+  dense: Callable[..., jax.Array]  # (q, k, v, mask) -> out
+
+
+_IMPLS: dict[str, AttentionImpl] = {"xla": AttentionImpl(dense=dot_product_attention)}
+
+
+def register_impl(name: str, impl: AttentionImpl) -> None:
+  _IMPLS[name] = impl
+
+
+def get_impl(name: str) -> AttentionImpl:
+  if name not in _IMPLS:
+    raise ValueError(f"unknown attention_impl {name!r}; registered: {sorted(_IMPLS)}")
+  return _IMPLS[name]
+
+
+@struct.dataclass
+class NoCache:
+  """Attention over the tokens of this call only (training, teacher forcing, scoring).
+
+  ``valid[B, T]`` marks real tokens; a query sees keys that are valid and whose
+  position is ``<=`` its own (causal by position, so left or right padding both work).
+  """
+
+  valid: jax.Array | None = None
+  layers: Any = None
+
+  def attend(self, impl: AttentionImpl, layer_state, q, k, v, positions):
+    mask = positions[:, :, None] >= positions[:, None, :]  # [B, T, S=T]
+    if self.valid is not None:
+      mask &= self.valid[:, None, :]
+    return impl.dense(q, k, v, mask), layer_state
+
+  def replace(self, **kw):
+    return dataclasses.replace(self, **kw)

@@ -1,0 +1,136 @@
+"""Decoder building blocks (Flax NNX): RMSNorm, RoPE, GQA attention, SwiGLU MLP.
+
+Shape legend: ``B`` batch, ``T`` new tokens, ``D`` embed dim, ``H`` query heads,
+``K`` KV heads, ``G = H // K`` query heads per KV head, ``Dh`` head dim, ``F`` MLP dim.
+
+Every parameter is created with a ``stack`` prefix shape (``(L,)`` for the scanned
+layer stack) and logical ``axes`` metadata read by `spec_rl_jax.sharding`. Weights are
+stored as einsum operands (``q: [D, H, Dh]``, ``o: [H, Dh, D]``) so no reshape sits
+between the matmul and the head split.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spec_rl_jax.models.config import ModelConfig
+from spec_rl_jax.sharding import shard
+
+INIT_STD = 0.02  # HF ``initializer_range``
+
+
+def _param(rngs: nnx.Rngs | None, stack: tuple[int, ...], shape: tuple[int, ...],
+           axes: tuple[str, ...], dtype, init: str = "normal") -> nnx.Param:
+  full = stack + shape
+  full_axes = ("layers",) * len(stack) + axes
+  if init == "ones":
+    value = jnp.ones(full, dtype)
+  else:
+    value = (INIT_STD * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
+  return nnx.Param(value, axes=full_axes)
+
+
+class RMSNorm(nnx.Module):
+  """``y = x / sqrt(mean(x²) + eps) * w``, computed in fp32."""
+
+  def __init__(self, dim: int, eps: float, *, stack=(), axes=("norm",), dtype=jnp.float32):
+    self.eps = eps
+    self.scale = _param(None, stack, (dim,), axes, dtype, init="ones")
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+  """Inverse frequencies ``θ_i = base^(-2i/Dh)``, with llama3 scaling when configured."""
+  inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32)
+                                  / cfg.head_dim))
+  s = cfg.rope_scaling
+  if s is None:
+    return inv
+  low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+  high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+  wavelen = 2 * math.pi / inv
+  scaled = jnp.where(wavelen > low_wavelen, inv / s.factor, inv)
+  smooth = ((s.original_max_position_embeddings / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor))
+  smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """Rotates ``x[B, T, N, Dh]`` by ``positions[B, T]`` (half-split convention, as HF)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  cos = jnp.cos(angles)[:, :, None, :]
+  sin = jnp.sin(angles)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = jnp.split(x32, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention; the KV history and the softmax live behind ``cache``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
+    D, H, K, Dh, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
+    self.q = _param(rngs, stack, (D, H, Dh), ("embed", "heads", "head_dim"), dt)
+    self.k = _param(rngs, stack, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
+    self.v = _param(rngs, stack, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
+    self.o = _param(rngs, stack, (H, Dh, D), ("heads", "head_dim", "embed"), dt)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
+      self.k_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
+    else:
+      self.q_norm = self.k_norm = None
+
+  def __call__(self, x, positions, inv_freq, attend):
+    """``x[B,T,D]`` → ``[B,T,D]``; ``attend(q, k, v) -> (out, aux)`` closes over the cache."""
+    q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
+    k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
+    v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q = shard(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
+    k = shard(apply_rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
+    v = shard(v, ("batch", "seq", "act_kv_heads", None))
+    out, aux = attend(q, k, v)  # out: [B, T, H, Dh]
+    return jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), self.o[...]), aux
+
+
+class MLP(nnx.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
+    D, F, dt = cfg.embed_dim, cfg.mlp_dim, cfg.dtype
+    self.gate = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
+    self.up = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
+    self.down = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
+
+  def __call__(self, x):
+    h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+    h = shard(h, ("batch", "seq", "act_mlp"))
+    return h @ self.down[...]
+
+
+class Block(nnx.Module):
+  """Pre-norm decoder layer: ``x += attn(norm(x)); x += mlp(norm(x))``."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
+    self.attn_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, stack=stack, dtype=cfg.dtype)
+    self.attn = Attention(cfg, rngs=rngs, stack=stack)
+    self.mlp_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, stack=stack, dtype=cfg.dtype)
+    self.mlp = MLP(cfg, rngs=rngs, stack=stack)
+
+  def __call__(self, x, positions, inv_freq, attend):
+    h, aux = self.attn(self.attn_norm(x), positions, inv_freq, attend)
+    x = shard(x + h, ("batch", "seq", "act_embed"))
+    x = shard(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
+    return x, aux

@@ -1,0 +1,126 @@
+"""The Llama 3.x / Qwen3 decoder (Flax NNX), layers stacked and scanned.
+
+Shape legend: ``B`` batch, ``T`` tokens in this call, ``D`` embed dim, ``V`` vocab,
+``L`` layers, ``n`` requested hidden layers.
+
+``Decoder.__call__(tokens, positions, cache=..., hidden_layers=...)`` is the one
+forward used everywhere: training (``NoCache``), reference decoding
+(``ContiguousKVCache``) and the rollout engine (paged cache). The cache is threaded in
+and returned, never mutated in place; its ``layers`` field is scanned together with the
+layer parameters, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from spec_rl_jax import sharding
+from spec_rl_jax.models import attention
+from spec_rl_jax.models.config import ModelConfig
+from spec_rl_jax.models.layers import Block, RMSNorm, _param, rope_inv_freq
+
+
+class DecoderOutput(NamedTuple):
+  logits: jax.Array  # [B, T, V] fp32 (or None when skipped)
+  cache: Any  # the attention context with updated ``layers``
+  hidden: jax.Array | None  # [n, B, T, D]: output of each requested layer (pre final norm)
+
+
+class Decoder(nnx.Module):
+  """Token embedding → ``L`` scanned `Block`s → final RMSNorm → LM head."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt = cfg.dtype
+    self.embed = _param(rngs, (), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dt)
+    self.layers = Block(cfg, rngs=rngs, stack=(cfg.num_layers,))
+    self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=dt)
+    self.lm_head = (None if cfg.tie_embeddings else
+                    _param(rngs, (), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), dt))
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array, *,
+               cache: Any = None, hidden_layers: Sequence[int] = (),
+               return_logits: bool = True) -> DecoderOutput:
+    """Runs the decoder.
+
+    Args:
+      tokens: ``[B, T]`` int token ids.
+      positions: ``[B, T]`` int positions (RoPE angle and, for caches, write index).
+      cache: attention context (models/attention.py); ``None`` = causal attention over
+        ``tokens`` only, all valid.
+      hidden_layers: layer indices in ``[0, L)`` whose outputs are returned.
+      return_logits: skip the LM head (e.g. when only the cache or hidden is needed).
+    """
+    cfg = self.cfg
+    cache = attention.NoCache() if cache is None else cache
+    impl = attention.get_impl(cfg.attention_impl)
+    for i in hidden_layers:
+      if not 0 <= i < cfg.num_layers:
+        raise ValueError(f"hidden layer index {i} outside [0, {cfg.num_layers})")
+    wanted = jnp.asarray(tuple(hidden_layers), jnp.int32)  # [n]
+
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    x = sharding.shard(x, ("batch", "seq", "act_embed"))
+    inv_freq = rope_inv_freq(cfg)
+    graphdef, layer_params = nnx.split(self.layers)
+
+    def body(carry, xs):
+      x, hidden, idx = carry
+      params, layer_state = xs
+      block = nnx.merge(graphdef, params)
+      attend = lambda q, k, v: cache.attend(impl, layer_state, q, k, v, positions)
+      x, new_state = block(x, positions, inv_freq, attend)
+      if hidden is not None:
+        hidden = jnp.where((wanted == idx)[:, None, None, None], x[None], hidden)
+      return (x, hidden, idx + 1), new_state
+
+    if cfg.remat:
+      body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    hidden0 = (jnp.zeros((len(hidden_layers),) + x.shape, x.dtype) if hidden_layers
+               else None)
+    (x, hidden, _), new_layers = jax.lax.scan(
+        body, (x, hidden0, jnp.int32(0)), (layer_params, cache.layers))
+    cache = cache.replace(layers=new_layers)
+
+    logits = self.logits(self.final_norm(x)) if return_logits else None
+    return DecoderOutput(logits, cache, hidden)
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """LM head on final-normed ``x[..., D]`` → fp32 ``[..., V]``."""
+    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+    out = jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
+    return sharding.shard(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
+
+
+def abstract_decoder(cfg: ModelConfig) -> Decoder:
+  """The decoder with ``ShapeDtypeStruct`` leaves: no weights allocated."""
+  return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))
+
+
+def param_count(model: Decoder) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def init_decoder(cfg: ModelConfig, seed: int = 0, mesh: Mesh | None = None,
+                 rules=sharding.RULES) -> Decoder:
+  """Random-init decoder, created directly in its sharded layout on ``mesh``.
+
+  ``eval_shape`` gives the abstract state, the rules table gives its shardings, and a
+  jitted init with ``out_shardings`` materialises each shard on its device — no
+  full-size host copy.
+  """
+  graphdef, abstract_state = nnx.split(abstract_decoder(cfg))
+  mesh = sharding.make_mesh((1, 1, 1)) if mesh is None else mesh
+  shardings = sharding.state_shardings(abstract_state, mesh, rules)
+
+  def make():
+    return nnx.state(Decoder(cfg, rngs=nnx.Rngs(seed)))
+
+  make = jax.jit(make, out_shardings=shardings)
+  return nnx.merge(graphdef, make())
