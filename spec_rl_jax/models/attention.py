@@ -7,9 +7,11 @@ under ``ModelConfig.attention_impl`` with `get_impl`. Kernels (``kernels_pallas`
 plug in by registering a name; layer code does not change.
 
 A context is a pytree with:
-  * ``layers``: per-layer state with a leading ``[L]`` axis (scanned with the layer
-    stack; ``None`` when there is none),
-  * ``attend(impl, layer_state, q, k, v, positions) -> (out, new_layer_state)``,
+  * ``layers``: per-layer state with a leading ``[L]`` axis (``None`` when there is
+    none). It rides in the layer scan's *carry* and each layer updates its ``[l]``
+    slice in place, so a donated cache is never copied per token.
+  * ``attend(impl, layers, l, q, k, v, positions) -> (out, new_layers)`` for layer
+    ``l`` (a traced int),
   * ``replace(layers=...)``.
 
 Shape legend: ``B`` batch, ``T`` query tokens, ``S`` key tokens, ``H`` query heads,
@@ -25,6 +27,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+
+from kernels_pallas.verify_attention.reference import verify_attention_reference
 
 NEG_INF = -1e30  # finite so fully-masked rows stay NaN-free
 
@@ -56,12 +60,16 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 @dataclasses.dataclass(frozen=True)
 class AttentionImpl:
-  """The functions one implementation provides (more fields as kernels land)."""
+  """The functions one implementation provides."""
 
   dense: Callable[..., jax.Array]  # (q, k, v, mask) -> out
+  # (q [S,T,H,Dh], k_pages [Hk,P,Ps,Dh], v_pages, page_table [S,M], kv_lens [S]) -> out
+  paged: Callable[..., jax.Array]
 
 
-_IMPLS: dict[str, AttentionImpl] = {"xla": AttentionImpl(dense=dot_product_attention)}
+_IMPLS: dict[str, AttentionImpl] = {
+    "xla": AttentionImpl(dense=dot_product_attention, paged=verify_attention_reference),
+}
 
 
 def register_impl(name: str, impl: AttentionImpl) -> None:
@@ -85,11 +93,12 @@ class NoCache:
   valid: jax.Array | None = None
   layers: Any = None
 
-  def attend(self, impl: AttentionImpl, layer_state, q, k, v, positions):
+  def attend(self, impl: AttentionImpl, layers, l, q, k, v, positions):
+    del l
     mask = positions[:, :, None] >= positions[:, None, :]  # [B, T, S=T]
     if self.valid is not None:
       mask &= self.valid[:, None, :]
-    return impl.dense(q, k, v, mask), layer_state
+    return impl.dense(q, k, v, mask), layers
 
   def replace(self, **kw):
     return dataclasses.replace(self, **kw)

@@ -36,8 +36,8 @@ def _generate(graphdef, state, prompt, prompt_len, key, *, max_new: int,
   B, T = prompt.shape
   cache = ContiguousKVCache.init(model.cfg, B, T + max_new)
   positions = jnp.broadcast_to(jnp.arange(T), (B, T))
-  out = model(prompt, positions, cache=cache)
-  last = jnp.take_along_axis(out.logits, (prompt_len - 1)[:, None, None], axis=1)[:, 0]
+  out = model(prompt, positions, cache=cache, logits_at=(prompt_len - 1)[:, None])
+  last = out.logits[:, 0]
   eos = jnp.asarray(eos_ids, jnp.int32)
 
   def pick(logits, step):

@@ -39,15 +39,16 @@ class ContiguousKVCache:
   def max_len(self) -> int:
     return self.layers[0].shape[2]
 
-  def attend(self, impl: AttentionImpl, layer_state, q, k, v, positions):
-    """Writes ``k, v [B,T,K,Dh]`` at ``positions [B,T]``, attends over slots ``<= pos``."""
-    k_cache, v_cache = layer_state  # [B, S, K, Dh]
+  def attend(self, impl: AttentionImpl, layers, l, q, k, v, positions):
+    """Writes ``k, v [B,T,K,Dh]`` of layer ``l`` at ``positions [B,T]``, then attends
+    over slots ``<= pos``."""
+    k_all, v_all = layers  # [L, B, S, K, Dh]
     b = jnp.arange(q.shape[0])[:, None]
-    k_cache = k_cache.at[b, positions].set(k.astype(k_cache.dtype), mode="drop")
-    v_cache = v_cache.at[b, positions].set(v.astype(v_cache.dtype), mode="drop")
-    slots = jnp.arange(k_cache.shape[1])
+    k_all = k_all.at[l, b, positions].set(k.astype(k_all.dtype), mode="drop")
+    v_all = v_all.at[l, b, positions].set(v.astype(v_all.dtype), mode="drop")
+    slots = jnp.arange(k_all.shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]
-    return impl.dense(q, k_cache, v_cache, mask), (k_cache, v_cache)
+    return impl.dense(q, k_all[l], v_all[l], mask), (k_all, v_all)
 
   def replace(self, **kw):
     return dataclasses.replace(self, **kw)

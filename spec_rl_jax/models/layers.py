@@ -92,7 +92,11 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
 
   def __call__(self, x, positions, inv_freq, attend):
-    """``x[B,T,D]`` → ``[B,T,D]``; ``attend(q, k, v) -> (out, aux)`` closes over the cache."""
+    """``x[B,T,D]`` → ``([B,T,D], cache layers)``.
+
+    ``attend(q, k, v) -> (out, new_cache_layers)`` closes over the attention context
+    (models/attention.py): it writes this layer's ``k, v`` and attends.
+    """
     q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
     k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
     v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
@@ -101,8 +105,8 @@ class Attention(nnx.Module):
     q = shard(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
     k = shard(apply_rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
     v = shard(v, ("batch", "seq", "act_kv_heads", None))
-    out, aux = attend(q, k, v)  # out: [B, T, H, Dh]
-    return jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), self.o[...]), aux
+    out, cache_layers = attend(q, k, v)  # out: [B, T, H, Dh]
+    return jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), self.o[...]), cache_layers
 
 
 class MLP(nnx.Module):
@@ -130,7 +134,7 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs, stack=stack)
 
   def __call__(self, x, positions, inv_freq, attend):
-    h, aux = self.attn(self.attn_norm(x), positions, inv_freq, attend)
+    h, cache_layers = self.attn(self.attn_norm(x), positions, inv_freq, attend)
     x = shard(x + h, ("batch", "seq", "act_embed"))
     x = shard(x + self.mlp(self.mlp_norm(x)), ("batch", "seq", "act_embed"))
-    return x, aux
+    return x, cache_layers

@@ -27,7 +27,7 @@ from spec_rl_jax.models.layers import Block, RMSNorm, _param, rope_inv_freq
 
 
 class DecoderOutput(NamedTuple):
-  logits: jax.Array  # [B, T, V] fp32 (or None when skipped)
+  logits: jax.Array  # [B, T, V] fp32 ([B, n, V] with ``logits_at``)
   cache: Any  # the attention context with updated ``layers``
   hidden: jax.Array | None  # [n, B, T, D]: output of each requested layer (pre final norm)
 
@@ -46,7 +46,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, *,
                cache: Any = None, hidden_layers: Sequence[int] = (),
-               return_logits: bool = True) -> DecoderOutput:
+               logits_at: jax.Array | None = None) -> DecoderOutput:
     """Runs the decoder.
 
     Args:
@@ -55,7 +55,8 @@ class Decoder(nnx.Module):
       cache: attention context (models/attention.py); ``None`` = causal attention over
         ``tokens`` only, all valid.
       hidden_layers: layer indices in ``[0, L)`` whose outputs are returned.
-      return_logits: skip the LM head (e.g. when only the cache or hidden is needed).
+      logits_at: ``[B, n]`` token indices whose logits are computed (e.g. only the
+        last prompt token in a prefill); ``None`` = all ``T``.
     """
     cfg = self.cfg
     cache = attention.NoCache() if cache is None else cache
@@ -70,25 +71,26 @@ class Decoder(nnx.Module):
     inv_freq = rope_inv_freq(cfg)
     graphdef, layer_params = nnx.split(self.layers)
 
-    def body(carry, xs):
-      x, hidden, idx = carry
-      params, layer_state = xs
+    def body(carry, params):
+      x, hidden, cache_layers, idx = carry
       block = nnx.merge(graphdef, params)
-      attend = lambda q, k, v: cache.attend(impl, layer_state, q, k, v, positions)
-      x, new_state = block(x, positions, inv_freq, attend)
+      attend = lambda q, k, v: cache.attend(impl, cache_layers, idx, q, k, v, positions)
+      x, new_layers = block(x, positions, inv_freq, attend)
       if hidden is not None:
         hidden = jnp.where((wanted == idx)[:, None, None, None], x[None], hidden)
-      return (x, hidden, idx + 1), new_state
+      return (x, hidden, new_layers, idx + 1), None
 
     if cfg.remat:
       body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
     hidden0 = (jnp.zeros((len(hidden_layers),) + x.shape, x.dtype) if hidden_layers
                else None)
-    (x, hidden, _), new_layers = jax.lax.scan(
-        body, (x, hidden0, jnp.int32(0)), (layer_params, cache.layers))
+    (x, hidden, new_layers, _), _ = jax.lax.scan(
+        body, (x, hidden0, cache.layers, jnp.int32(0)), layer_params)
     cache = cache.replace(layers=new_layers)
 
-    logits = self.logits(self.final_norm(x)) if return_logits else None
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
+    logits = self.logits(self.final_norm(x))
     return DecoderOutput(logits, cache, hidden)
 
   def logits(self, x: jax.Array) -> jax.Array:

@@ -1,0 +1,76 @@
+"""Rollout requests, responses and the engine configuration.
+
+Glossary:
+  slot      a row of the device batch; holds one running request.
+  round     one decode step of every active slot (one token each; a speculative round
+            emits 1..K+1 tokens per slot).
+  page      ``page_size`` consecutive KV positions of one slot (rollout/paged_cache.py).
+  budget    the number of KV pages in the pool; admission never over-commits it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from spec_rl_jax.sampling import SamplingParams
+
+FINISH_REASONS = ("running", "eos", "length")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shape and policy of a rollout engine (one compile per config)."""
+
+  num_slots: int = 8  # S
+  page_size: int = 16  # Ps
+  num_pages: int = 512  # P: the KV budget, in pages
+  max_seq_len: int = 1024  # prompt + response, per request
+  max_new_tokens: int = 256  # response cap (per-request values may be lower)
+  round_budget: int = 256  # max decode rounds per device call before returning
+  min_prefill_len: int = 16  # smallest prompt-length bucket (buckets double from here)
+  sampling: SamplingParams = SamplingParams()
+  eos_ids: tuple[int, ...] = ()
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_seq_len % self.page_size:
+      raise ValueError(f"max_seq_len ({self.max_seq_len}) must be a multiple of"
+                       f" page_size ({self.page_size})")
+    if self.max_new_tokens >= self.max_seq_len:
+      raise ValueError("max_new_tokens must leave room for a prompt within max_seq_len")
+    for name in ("num_slots", "page_size", "num_pages", "round_budget", "min_prefill_len"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+  @property
+  def max_pages_per_slot(self) -> int:  # M
+    return self.max_seq_len // self.page_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One prompt to complete. ``request_id`` seeds its RNG stream: keep it unique."""
+
+  prompt: Sequence[int]
+  request_id: int
+  max_new_tokens: int | None = None  # None = the engine's cap
+
+
+@dataclasses.dataclass
+class Response:
+  """A finished request.
+
+  ``logprobs`` are log-probabilities of ``tokens`` under the processed sampling
+  distribution (temperature/top-k/top-p); ``policy_logprobs`` under the raw policy
+  (softmax of the unprocessed logits) — the numbers RL uses as old-policy logprobs.
+  """
+
+  request_id: int
+  prompt: list[int]
+  tokens: list[int]
+  logprobs: np.ndarray  # [n] float32
+  policy_logprobs: np.ndarray  # [n] float32
+  finish_reason: str  # "eos" | "length"
