@@ -95,8 +95,10 @@ class Decoder(nnx.Module):
 
   def logits(self, x: jax.Array) -> jax.Array:
     """LM head on final-normed ``x[..., D]`` → fp32 ``[..., V]``."""
-    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
-    out = jnp.einsum("...d,dv->...v", x, w, preferred_element_type=jnp.float32)
+    if self.lm_head is None:  # tied: read the [V, D] table as is, no transpose copy
+      out = jnp.einsum("...d,vd->...v", x, self.embed[...], preferred_element_type=jnp.float32)
+    else:
+      out = jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
     return sharding.shard(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
 
 

@@ -29,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding, PartitionSpec as P
 
+from spec_rl_jax import sharding
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.paged_cache import PagedKVCache, PagePool
@@ -89,10 +91,18 @@ class RolloutEngine:
       check_vocab(tokenizer, model.cfg.vocab_size)
     self._graphdef, self._params = nnx.split(model)
     self._pool = PagePool(config.num_pages, config.page_size)
-    self._state = self._init_state()
+    leaf = jax.tree.leaves(self._params)[0]
+    mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
+            else sharding.make_mesh((1, 1, 1)))
+    state_sharding = self._state_shardings(mesh)
+    self._state = jax.device_put(self._init_state(), state_sharding)
     self._key = jax.random.key(config.seed)
-    self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=1)
-    self._decode_fn = jax.jit(self._decode, donate_argnums=1)
+    # Fixed output shardings: the state round-trips through both functions unchanged,
+    # so neither recompiles after the first call.
+    self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=1,
+                               out_shardings=state_sharding)
+    self._decode_fn = jax.jit(self._decode, donate_argnums=1,
+                              out_shardings=(state_sharding, NamedSharding(mesh, P())))
     self.stats = collections.Counter()
 
   # ------------------------------------------------------------------ device side
@@ -106,6 +116,19 @@ class RolloutEngine:
         active=jnp.zeros((S,), bool), length=zeros(), last=zeros(), rid=zeros(),
         num_gen=zeros(), max_new=zeros(), finish=zeros(), out_tok=jnp.zeros((S, N), jnp.int32),
         out_lp=jnp.zeros((S, N), jnp.float32), out_policy_lp=jnp.zeros((S, N), jnp.float32))
+
+  def _state_shardings(self, mesh) -> SlotState:
+    """KV pools split over KV heads (``tensor``); slot bookkeeping replicated."""
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    abstract = jax.eval_shape(self._init_state)
+
+    def one(x):
+      axes = (None,) * x.ndim
+      if x.ndim >= 4:  # [L, Hk, P, (Ps,) Dh]
+        axes = ("layers", "act_kv_heads") + (None,) * (x.ndim - 2)
+      return NamedSharding(mesh, sharding.logical_to_spec(axes, x.shape, shape))
+
+    return jax.tree.map(one, abstract)
 
   def _prefill_insert(self, params, state: SlotState, key, slots, tokens, lens, pages, rids,
                       max_new):
@@ -172,10 +195,6 @@ class RolloutEngine:
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a model with the engine's ModelConfig")
     self._params = nnx.state(model)
-
-  def compile_count(self) -> int:
-    """Number of distinct compiled executables (prefill buckets + the decode loop)."""
-    return self._prefill_fn._cache_size() + self._decode_fn._cache_size()
 
   def _bucket_len(self, n: int) -> int:
     b = self.config.min_prefill_len

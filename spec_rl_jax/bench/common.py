@@ -1,0 +1,130 @@
+"""Shared benchmark plumbing (see ../shared/BENCHMARKS.md).
+
+* `alternate`: warm-up, then A B A B ... repetitions of several systems; medians and
+  the median of per-pair ratios against a baseline.
+* `machine_info`, `measure_bandwidth`: what the numbers were measured on.
+* `write_results`, `print_table`: the JSON contract and the printed table.
+* `CompileCounter`: counts backend compiles (XLA executables built) while active.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def machine_info() -> dict:
+  return {"backend": jax.default_backend(), "devices": jax.device_count(),
+          "cpus": os.cpu_count(), "jax": jax.__version__,
+          "device_kind": jax.devices()[0].device_kind}
+
+
+def measure_bandwidth(nbytes: int = 512 * 1024**2, reps: int = 5) -> float:
+  """Sustained read bandwidth (bytes/s) of the default device: a jitted sum over a
+  buffer far larger than the caches, best of ``reps``."""
+  x = jnp.ones((nbytes // 4,), jnp.float32)
+  f = jax.jit(lambda a: jnp.sum(a))
+  f(x).block_until_ready()
+  best = float("inf")
+  for _ in range(reps):
+    t = time.perf_counter()
+    f(x).block_until_ready()
+    best = min(best, time.perf_counter() - t)
+  return nbytes / best
+
+
+def alternate(systems: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
+              baseline: str | None = None) -> dict:
+  """Times each system ``reps`` times, interleaved (A B A B ...) after ``warmup`` rounds.
+
+  Returns ``{"times": {name: [s...]}, "median": {name: s}, "ratio": {name: median of
+  per-pair baseline_time / time}}`` (ratio > 1: faster than the baseline).
+  """
+  for _ in range(warmup):
+    for fn in systems.values():
+      fn()
+  times = {name: [] for name in systems}
+  for _ in range(reps):
+    for name, fn in systems.items():
+      t = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t)
+  baseline = baseline or next(iter(systems))
+  return {
+      "times": times,
+      "median": {n: statistics.median(v) for n, v in times.items()},
+      "ratio": {n: statistics.median(b / x for b, x in zip(times[baseline], v))
+                for n, v in times.items()},
+  }
+
+
+class CompileCounter:
+  """Counts XLA backend compiles while the context is active."""
+
+  _EVENT = "/jax/core/compile/backend_compile_duration"
+  _active: list["CompileCounter"] = []
+  _registered = False
+
+  def __init__(self):
+    self.count = 0
+
+  @classmethod
+  def _listener(cls, event: str, *_args, **_kw) -> None:
+    if event == cls._EVENT:
+      for c in cls._active:
+        c.count += 1
+
+  def __enter__(self):
+    if not CompileCounter._registered:
+      jax.monitoring.register_event_duration_secs_listener(CompileCounter._listener)
+      CompileCounter._registered = True
+    CompileCounter._active.append(self)
+    return self
+
+  def __exit__(self, *exc):
+    CompileCounter._active.remove(self)
+
+
+def default_out(bench: str) -> str:
+  return str(pathlib.Path("results") / f"bench_{bench}.json")
+
+
+def write_results(path: str, bench: str, quick: bool, summary: dict, rows: list[dict],
+                  **extra) -> dict:
+  result = {"bench": bench, "quick": quick, "machine": machine_info(), "summary": summary,
+            "rows": rows, **extra}
+  p = pathlib.Path(path)
+  p.parent.mkdir(parents=True, exist_ok=True)
+  p.write_text(json.dumps(result, indent=2, default=_jsonable))
+  print(f"\nwrote {p}")
+  return result
+
+
+def _jsonable(x):
+  if isinstance(x, (np.floating, np.integer)):
+    return x.item()
+  raise TypeError(f"not JSON serialisable: {type(x)}")
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+  """Prints ``rows`` (dicts) as an aligned text table over ``columns``."""
+  cells = [[_fmt(r.get(c, "")) for c in columns] for r in rows]
+  widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+  print("  ".join("-" * w for w in widths))
+  for row in cells:
+    print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+  if isinstance(v, float):
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+  return str(v)

@@ -1,0 +1,70 @@
+"""Logit processing: the processed distribution is the one HF/vLLM define, and sampling
+from it is exact."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_rl_jax.sampling import SamplingParams, process_logits, sample
+
+
+def _probs(logits, **kw):
+  return np.exp(np.asarray(process_logits(jnp.asarray(logits), SamplingParams(**kw))))
+
+
+def test_greedy_is_point_mass_on_argmax():
+  p = _probs([0.1, 2.0, -1.0, 2.0], temperature=0.0)
+  np.testing.assert_array_equal(p, [0, 1, 0, 0])  # ties -> lowest id
+
+
+def test_temperature_only():
+  logits = np.array([1.0, 2.0, 3.0])
+  want = np.exp(logits / 0.5) / np.exp(logits / 0.5).sum()
+  np.testing.assert_allclose(_probs(logits, temperature=0.5), want, rtol=1e-6)
+
+
+def test_top_k_keeps_exactly_k_and_renormalises():
+  logits = np.log(np.array([0.05, 0.4, 0.1, 0.3, 0.15]))
+  p = _probs(logits, top_k=2)
+  np.testing.assert_allclose(p, [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_p,kept", [(0.4, [1]), (0.41, [1, 3]), (0.7, [1, 3]),
+                                        (0.71, [1, 3, 4]), (1.0, [0, 1, 2, 3, 4])])
+def test_top_p_keeps_smallest_prefix_reaching_mass(top_p, kept):
+  probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+  p = _probs(np.log(probs), top_p=top_p)
+  assert sorted(np.flatnonzero(p)) == kept
+  np.testing.assert_allclose(p[kept], probs[kept] / probs[kept].sum(), rtol=1e-5)
+
+
+def test_top_k_then_top_p():
+  probs = np.array([0.05, 0.4, 0.1, 0.3, 0.15])
+  # top_k=3 keeps {1,3,4} renormalised to {.47,.35,.18}; top_p=0.8 then keeps {1,3}.
+  p = _probs(np.log(probs), top_k=3, top_p=0.8)
+  assert sorted(np.flatnonzero(p)) == [1, 3]
+
+
+def test_sampling_matches_processed_distribution():
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(rng.normal(size=16) * 2)
+  params = SamplingParams(temperature=0.9, top_k=10, top_p=0.85)
+  lp = process_logits(logits, params)
+  n = 20_000
+  keys = jax.random.split(jax.random.key(0), n)
+  draws = np.asarray(jax.vmap(lambda k: sample(k, lp))(keys))
+  p = np.exp(np.asarray(lp))
+  counts = np.bincount(draws, minlength=16)
+  assert counts[p == 0].sum() == 0
+  support = p > 0
+  chi2 = (((counts[support] - n * p[support]) ** 2) / (n * p[support])).sum()
+  # dof <= 9: the 99.9% quantile of chi2(9) is 27.9.
+  assert chi2 < 27.9, chi2
+
+
+def test_invalid_params():
+  with pytest.raises(ValueError, match="top_p"):
+    SamplingParams(top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-1.0)
