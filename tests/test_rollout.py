@@ -53,7 +53,7 @@ def test_greedy_continuous_batching_matches_transformers(hf_pair):
   engine = RolloutEngine(model, EngineConfig(
       num_slots=4, page_size=8, num_pages=40, max_seq_len=128, max_new_tokens=max_new,
       sampling=SamplingParams(temperature=0.0), eos_ids=(eos,)))
-  out = engine.generate([Request(p, i) for i, p in enumerate(prompts)])
+  out = engine.generate([Request(p, i) for i, p in enumerate(prompts)]).responses
   assert [o.tokens for o in out] == ref
   for o, r in zip(out, ref):
     assert o.finish_reason == ("eos" if r[-1] == eos and len(r) <= max_new and eos in r
@@ -72,8 +72,8 @@ def _sampling_engine(model, slots, **kw):
 def test_responses_independent_of_slot_count(hf_pair):
   _, model = hf_pair
   reqs = [Request(p, 100 + i) for i, p in enumerate(_prompts(10, model.cfg.vocab_size, seed=5))]
-  a = _sampling_engine(model, 2).generate(reqs)
-  b = _sampling_engine(model, 8).generate(reqs)
+  a = _sampling_engine(model, 2).generate(reqs).responses
+  b = _sampling_engine(model, 8).generate(reqs).responses
   assert [r.tokens for r in a] == [r.tokens for r in b]
   assert len({tuple(r.tokens) for r in a}) > 1  # really sampling
   for x, y in zip(a, b):
@@ -83,7 +83,7 @@ def test_responses_independent_of_slot_count(hf_pair):
 def test_logprobs_match_teacher_forcing(hf_pair):
   _, model = hf_pair
   engine = _sampling_engine(model, 3)
-  out = engine.generate([Request(p, i) for i, p in enumerate(_prompts(5, 96, seed=9))])
+  out = engine.generate([Request(p, i) for i, p in enumerate(_prompts(5, 96, seed=9))]).responses
   params = engine.config.sampling
   for r in out:
     seq = jnp.asarray([r.prompt + r.tokens], jnp.int32)
@@ -104,7 +104,7 @@ def test_engine_first_token_distribution(hf_pair):
   params = SamplingParams(temperature=1.3, top_k=12, top_p=0.9)
   engine = _sampling_engine(model, 16, sampling=params, max_new_tokens=1)
   n = 3000
-  out = engine.generate([Request(prompt, i, max_new_tokens=1) for i in range(n)])
+  out = engine.generate([Request(prompt, i, max_new_tokens=1) for i in range(n)]).responses
   counts = np.bincount([r.tokens[0] for r in out], minlength=96)
   logits = model(jnp.asarray([prompt]), jnp.arange(4)[None]).logits[0, -1]
   p = np.exp(np.asarray(process_logits(logits, params)))
@@ -119,8 +119,8 @@ def test_pages_return_and_admission_waits(hf_pair):
   # Each request needs ceil((prompt + 20) / 8) <= 8 pages; 12 pages fit only one at a time.
   engine = _sampling_engine(model, 4, num_pages=12, max_seq_len=64)
   reqs = [Request(p, i) for i, p in enumerate(_prompts(6, 96, seed=2, lo=20, hi=40))]
-  out = engine.generate(reqs)
-  assert len(out) == 6 and engine.stats["admission_waits"] > 0
+  result = engine.generate(reqs)
+  assert len(result.responses) == 6 and result.metrics["admission_waits"] > 0
   assert engine._pool.num_free == 12
   with pytest.raises(ValueError, match="never fit"):
     _sampling_engine(model, 2, num_pages=3, max_seq_len=64).generate([Request([1] * 10, 0)])

@@ -1,18 +1,24 @@
-"""The slot engine: batched prefill/insert, a device-side decode loop, continuous batching.
+"""The slot engine: batched prefill/insert, a device-side loop of rounds, continuous
+batching, speculative rounds.
 
 Shape legend: ``S`` slots, ``T`` prefill bucket length, ``n`` prefill batch bucket,
-``M`` max pages per slot, ``N`` max new tokens, ``V`` vocab.
+``M`` max pages per slot, ``N`` max new tokens, ``K`` draft tokens, ``V`` vocab,
+``Lh`` history length, ``R`` reference length.
 
 Device side (jitted, state donated so the KV pools update in place):
   * ``_prefill_insert``: runs ``n`` left-padded prompts through the model, writing their
     KV into freshly allocated pages, samples each first token and inserts the requests
-    into their slots.
-  * ``_decode``: a ``lax.while_loop`` of rounds over all slots; returns to the host when
-    a slot finishes and requests are waiting, when every slot is idle, or after
-    ``round_budget`` rounds.
+    into their slots (the proposer sees the prompts too).
+  * ``_decode``: a ``lax.while_loop`` of rounds over all slots. A round proposes ``K``
+    drafts (none when ``K = 0``), verifies ``K + 1`` positions in one target forward
+    and runs the exact rejection sampler (spec/verifier.py), emitting 1..K+1 tokens per
+    slot. Rejected positions are rolled back by length bookkeeping only. The loop
+    returns to the host when a slot finishes and requests are waiting, when every slot
+    is idle, or after ``round_budget`` rounds.
 Host side (`RolloutEngine.generate`): a FIFO queue, page allocation against the KV
 budget (admission waits when pages run short), refilling free slots between device
-calls, and collecting finished responses.
+calls, collecting finished responses, and the memory of earlier rollouts per prompt
+(n-gram references).
 
 Sampling randomness is keyed by ``(seed, request_id, position)``, so a response does not
 depend on the slot or the batch it ran in (callers give fresh request ids, or a new
@@ -22,7 +28,7 @@ seed, when they want fresh samples).
 from __future__ import annotations
 
 import collections
-import functools
+import time
 from collections.abc import Sequence
 
 import jax
@@ -35,8 +41,10 @@ from spec_rl_jax import sharding
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.paged_cache import PagedKVCache, PagePool
-from spec_rl_jax.rollout.types import FINISH_REASONS, EngineConfig, Request, Response
-from spec_rl_jax.sampling import process_logits
+from spec_rl_jax.rollout.types import (FINISH_REASONS, EngineConfig, Request, Response,
+                                       RolloutResult)
+from spec_rl_jax.spec.proposers.base import DraftContext, Proposer
+from spec_rl_jax.spec.verifier import verify
 
 RUNNING, EOS, LENGTH = range(3)
 
@@ -46,51 +54,55 @@ class SlotState:
   """Everything the device loop carries. ``[S]`` arrays unless noted."""
 
   cache: PagedKVCache
+  proposer: object  # the proposer's device state (e.g. draft KV pools)
   active: jax.Array  # bool: slot holds a request that is still generating
   length: jax.Array  # int32: tokens already in the KV cache
-  last: jax.Array  # int32: last sampled token (its KV is written next round)
+  last: jax.Array  # int32: newest token, at position ``length``, KV not yet written
   rid: jax.Array  # int32: request id (RNG stream)
+  group: jax.Array  # int32: prompt-group id (-1 none)
   num_gen: jax.Array  # int32: tokens generated so far
   max_new: jax.Array  # int32: this request's cap
   finish: jax.Array  # int32: RUNNING | EOS | LENGTH
+  history: jax.Array  # [S, Lh] int32: prompt + generated tokens by position
+  reference: jax.Array  # [S, R] int32: earlier rollouts of the prompt, -1 padded
   out_tok: jax.Array  # [S, N] int32
   out_lp: jax.Array  # [S, N] fp32, processed-distribution logprobs
   out_policy_lp: jax.Array  # [S, N] fp32, raw-policy logprobs
+  counters: jax.Array  # [3] int32: slot-rounds, drafted tokens, accepted tokens
+  accepted_at: jax.Array  # [K] int32: accepted count per draft position
 
 
-def sample_tokens(key: jax.Array, logits: jax.Array, rid: jax.Array, pos: jax.Array,
-                  cfg: EngineConfig):
-  """Samples ``[S]`` tokens from ``logits[S, V]``; the token will sit at ``pos[S]``.
-
-  Returns ``(tokens, processed logprobs, raw-policy logprobs)``, each ``[S]``.
-  """
-  policy_lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  lp = process_logits(logits, cfg.sampling)
-  keys = jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, r), p))(rid, pos)
-  tok = jax.vmap(jax.random.categorical)(keys, lp)
-  pick = lambda a: jnp.take_along_axis(a, tok[:, None], axis=-1)[:, 0]
-  return tok.astype(jnp.int32), pick(lp), pick(policy_lp)
-
-
-def _finish_code(tok, num_gen, max_new, eos):
-  return jnp.where(jnp.isin(tok, eos), EOS, jnp.where(num_gen >= max_new, LENGTH, RUNNING))
+def round_keys(key: jax.Array, rid: jax.Array, pos: jax.Array) -> jax.Array:
+  """Per-slot verifier keys: one stream per ``(request id, position)``."""
+  return jax.vmap(lambda r, p: jax.random.fold_in(jax.random.fold_in(key, r), p))(rid, pos)
 
 
 class RolloutEngine:
-  """Continuous-batching generation over a paged KV cache.
+  """Continuous-batching (speculative) generation over a paged KV cache.
 
-  ``engine.generate(requests)`` returns one `Response` per request, in order. Swap the
-  policy weights with `update_params` (same shapes: nothing recompiles).
+  ``engine.generate(requests)`` returns a `RolloutResult`: one `Response` per request,
+  in order, plus metrics. Swap weights with `update_params` (same shapes: nothing
+  recompiles). ``proposer`` drafts ``config.num_draft_tokens`` tokens per round.
   """
 
-  def __init__(self, model: Decoder, config: EngineConfig, tokenizer: Tokenizer | None = None):
+  def __init__(self, model: Decoder, config: EngineConfig, tokenizer: Tokenizer | None = None,
+               proposer: Proposer | None = None):
+    if (config.num_draft_tokens > 0) != (proposer is not None):
+      raise ValueError("num_draft_tokens > 0 needs a proposer, and a proposer needs"
+                       f" num_draft_tokens > 0 (got K={config.num_draft_tokens})")
+    if proposer is not None and getattr(proposer, "vocab_size", model.cfg.vocab_size) \
+        != model.cfg.vocab_size:
+      raise ValueError(f"proposer vocab_size {proposer.vocab_size} != policy vocab_size"
+                       f" {model.cfg.vocab_size}")
     self.config = config
     self.model_config = model.cfg
     self.tokenizer = tokenizer
+    self.proposer = proposer
     if tokenizer is not None:
       check_vocab(tokenizer, model.cfg.vocab_size)
     self._graphdef, self._params = nnx.split(model)
     self._pool = PagePool(config.num_pages, config.page_size)
+    self._memory: dict[tuple[int, ...], collections.deque] = {}
     leaf = jax.tree.leaves(self._params)[0]
     mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
             else sharding.make_mesh((1, 1, 1)))
@@ -99,23 +111,32 @@ class RolloutEngine:
     self._key = jax.random.key(config.seed)
     # Fixed output shardings: the state round-trips through both functions unchanged,
     # so neither recompiles after the first call.
-    self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=1,
+    self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=2,
                                out_shardings=state_sharding)
-    self._decode_fn = jax.jit(self._decode, donate_argnums=1,
+    self._decode_fn = jax.jit(self._decode, donate_argnums=2,
                               out_shardings=(state_sharding, NamedSharding(mesh, P())))
     self.stats = collections.Counter()
+
+  @property
+  def history_len(self) -> int:  # Lh: room for the last round's K + 1 writes
+    return self.config.max_seq_len + self.config.num_draft_tokens + 1
 
   # ------------------------------------------------------------------ device side
 
   def _init_state(self) -> SlotState:
-    c, S, N = self.config, self.config.num_slots, self.config.max_new_tokens
-    zeros = lambda: jnp.zeros((S,), jnp.int32)  # distinct buffers: the state is donated
+    c, S, N, K = self.config, self.config.num_slots, self.config.max_new_tokens, \
+        self.config.num_draft_tokens
+    ints = lambda *shape: jnp.zeros(shape or (S,), jnp.int32)  # distinct buffers (donated)
     return SlotState(
         cache=PagedKVCache.init(self.model_config, S, c.num_pages, c.page_size,
                                 c.max_pages_per_slot),
-        active=jnp.zeros((S,), bool), length=zeros(), last=zeros(), rid=zeros(),
-        num_gen=zeros(), max_new=zeros(), finish=zeros(), out_tok=jnp.zeros((S, N), jnp.int32),
-        out_lp=jnp.zeros((S, N), jnp.float32), out_policy_lp=jnp.zeros((S, N), jnp.float32))
+        proposer=None if self.proposer is None else self.proposer.init_state(c),
+        active=jnp.zeros((S,), bool), length=ints(), last=ints(), rid=ints(),
+        group=jnp.full((S,), -1, jnp.int32), num_gen=ints(), max_new=ints(), finish=ints(),
+        history=ints(S, self.history_len), reference=jnp.full((S, c.reference_len), -1, jnp.int32),
+        out_tok=ints(S, N), out_lp=jnp.zeros((S, N), jnp.float32),
+        out_policy_lp=jnp.zeros((S, N), jnp.float32), counters=ints(3),
+        accepted_at=ints(K))
 
   def _state_shardings(self, mesh) -> SlotState:
     """KV pools split over KV heads (``tensor``); slot bookkeeping replicated."""
@@ -130,8 +151,8 @@ class RolloutEngine:
 
     return jax.tree.map(one, abstract)
 
-  def _prefill_insert(self, params, state: SlotState, key, slots, tokens, lens, pages, rids,
-                      max_new):
+  def _prefill_insert(self, params, proposer_params, state: SlotState, key, slots, tokens,
+                      lens, pages, rids, groups, refs, max_new):
     """Prefills ``tokens[n, T]`` (left-padded, real lengths ``lens[n]``) into ``slots[n]``.
 
     Padding entries carry ``slots = S`` (dropped) and ``lens = 0`` (nothing written).
@@ -139,27 +160,85 @@ class RolloutEngine:
     model = nnx.merge(self._graphdef, params)
     n, T = tokens.shape
     positions = lens[:, None] - T + jnp.arange(T)[None, :]  # pads < 0
-    view = state.cache.replace(page_table=pages)
-    out = model(tokens, positions, cache=view, logits_at=jnp.full((n, 1), T - 1))
-    tok, lp, policy_lp = sample_tokens(key, out.logits[:, 0], rids, lens, self.config)
+    out = model(tokens, positions, cache=state.cache.replace(page_table=pages),
+                logits_at=jnp.full((n, 1), T - 1))
+    first = verify(round_keys(key, rids, lens), jnp.zeros((n, 0), jnp.int32), None,
+                   out.logits, self.config.sampling)
+    tok = first.tokens[:, 0]
     eos = jnp.asarray(self.config.eos_ids, jnp.int32)
-    finish = _finish_code(tok, jnp.ones_like(lens), max_new, eos)
+    finish = jnp.where(jnp.isin(tok, eos), EOS, jnp.where(max_new <= 1, LENGTH, RUNNING))
+    # history row: the prompt at positions 0..len-1, the first token at len
+    j = jnp.arange(self.history_len)[None, :]
+    hist = jnp.take_along_axis(tokens, jnp.clip(T - lens[:, None] + j, 0, T - 1), axis=1)
+    hist = jnp.where(j < lens[:, None], hist, jnp.where(j == lens[:, None], tok[:, None], 0))
     put = lambda a, v: a.at[slots].set(v, mode="drop")
+    proposer_state = state.proposer
+    if self.proposer is not None:
+      proposer_state = self.proposer.prefill(proposer_params, proposer_state, tokens,
+                                             positions, pages)
     return state.replace(
         cache=out.cache.replace(page_table=put(state.cache.page_table, pages)),
+        proposer=proposer_state,
         active=put(state.active, finish == RUNNING), length=put(state.length, lens),
-        last=put(state.last, tok), rid=put(state.rid, rids),
+        last=put(state.last, tok), rid=put(state.rid, rids), group=put(state.group, groups),
         num_gen=put(state.num_gen, jnp.ones_like(lens)), max_new=put(state.max_new, max_new),
-        finish=put(state.finish, finish),
+        finish=put(state.finish, finish), history=put(state.history, hist),
+        reference=put(state.reference, refs),
         out_tok=state.out_tok.at[slots, 0].set(tok, mode="drop"),
-        out_lp=state.out_lp.at[slots, 0].set(lp, mode="drop"),
-        out_policy_lp=state.out_policy_lp.at[slots, 0].set(policy_lp, mode="drop"))
+        out_lp=state.out_lp.at[slots, 0].set(first.logprobs[:, 0], mode="drop"),
+        out_policy_lp=state.out_policy_lp.at[slots, 0].set(first.policy_logprobs[:, 0],
+                                                            mode="drop"))
 
-  def _decode(self, params, state: SlotState, key, stop_on_finish, max_rounds):
-    """Runs up to ``max_rounds`` AR rounds; returns ``(state, rounds run)``."""
-    model = nnx.merge(self._graphdef, params)
-    S, N = state.out_tok.shape
+  def _round(self, model, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
+    """One round: propose K, verify K+1, emit 1..K+1 tokens per active slot."""
+    S, N = st.out_tok.shape
+    K = self.config.num_draft_tokens
+    act = st.active
+    drafts, draft_lp, proposer_state = jnp.zeros((S, 0), jnp.int32), None, st.proposer
+    if K:
+      ctx = DraftContext(last=st.last, length=st.length, active=act, rid=st.rid,
+                         group=st.group, history=st.history, reference=st.reference,
+                         page_table=st.cache.page_table, key=key)
+      drafts, draft_lp, proposer_state = self.proposer.propose(
+          proposer_params, st.proposer, ctx, K, self.config.sampling)
+    positions = jnp.where(act[:, None], st.length[:, None] + jnp.arange(K + 1)[None, :], -1)
+    out = model(jnp.concatenate([st.last[:, None], drafts], 1), positions, cache=st.cache)
+    v = verify(round_keys(key, st.rid, st.length + 1), drafts, draft_lp, out.logits,
+               self.config.sampling)
+
+    # Truncate at the first EOS and at the request's cap.
+    i = jnp.arange(K + 1)[None, :]
     eos = jnp.asarray(self.config.eos_ids, jnp.int32)
+    is_eos = jnp.isin(v.tokens, eos) & (i < v.num_emitted[:, None])
+    first_eos = jnp.where(jnp.any(is_eos, 1), jnp.argmax(is_eos, 1) + 1, K + 1)
+    n = jnp.minimum(jnp.minimum(v.num_emitted, first_eos), st.max_new - st.num_gen)
+    n = jnp.where(act, n, 0)  # [S] tokens emitted this round
+    keep = i < n[:, None]
+    rows = jnp.arange(S)[:, None]
+    col = jnp.where(keep, st.num_gen[:, None] + i, N)  # N: dropped
+    hpos = jnp.where(keep, st.length[:, None] + 1 + i, self.history_len)
+    num_gen = st.num_gen + n
+    hit_eos = jnp.any(is_eos & keep, 1)
+    finish = jnp.where(act, jnp.where(hit_eos, EOS, jnp.where(num_gen >= st.max_new, LENGTH,
+                                                               RUNNING)), st.finish)
+    last = jnp.take_along_axis(v.tokens, jnp.maximum(n - 1, 0)[:, None], 1)[:, 0]
+    accepted = v.accepted & act[:, None]
+    st = st.replace(
+        cache=out.cache, proposer=proposer_state, active=act & (finish == RUNNING),
+        length=st.length + n, last=jnp.where(act, last, st.last), num_gen=num_gen,
+        finish=finish,
+        history=st.history.at[rows, hpos].set(v.tokens, mode="drop"),
+        out_tok=st.out_tok.at[rows, col].set(v.tokens, mode="drop"),
+        out_lp=st.out_lp.at[rows, col].set(v.logprobs, mode="drop"),
+        out_policy_lp=st.out_policy_lp.at[rows, col].set(v.policy_logprobs, mode="drop"),
+        counters=st.counters + jnp.stack([act.sum(), K * act.sum(), accepted.sum()]),
+        accepted_at=st.accepted_at + accepted.sum(0))
+    return st, jnp.any(act & ~st.active)
+
+  def _decode(self, params, proposer_params, state: SlotState, key, stop_on_finish,
+              max_rounds):
+    """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``."""
+    model = nnx.merge(self._graphdef, params)
 
     def cond(carry):
       rounds, st, finished = carry
@@ -167,23 +246,8 @@ class RolloutEngine:
 
     def body(carry):
       rounds, st, finished = carry
-      act = st.active
-      positions = jnp.where(act, st.length, -1)[:, None]
-      out = model(st.last[:, None], positions, cache=st.cache)
-      tok, lp, policy_lp = sample_tokens(key, out.logits[:, 0], st.rid, st.length + 1,
-                                         self.config)
-      col = jnp.where(act, st.num_gen, N)  # N: dropped
-      rows = jnp.arange(S)
-      num_gen = st.num_gen + act
-      finish = jnp.where(act, _finish_code(tok, num_gen, st.max_new, eos), st.finish)
-      active = act & (finish == RUNNING)
-      st = st.replace(
-          cache=out.cache, active=active, length=st.length + act,
-          last=jnp.where(act, tok, st.last), num_gen=num_gen, finish=finish,
-          out_tok=st.out_tok.at[rows, col].set(tok, mode="drop"),
-          out_lp=st.out_lp.at[rows, col].set(lp, mode="drop"),
-          out_policy_lp=st.out_policy_lp.at[rows, col].set(policy_lp, mode="drop"))
-      return rounds + 1, st, finished | jnp.any(act & ~active)
+      st, newly = self._round(model, proposer_params, st, key)
+      return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
     return state, rounds
@@ -208,24 +272,31 @@ class RolloutEngine:
       b *= 2
     return min(b, self.config.num_slots)
 
+  def _max_new(self, r: Request) -> int:
+    return self.config.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+
+  def _pages_needed(self, r: Request) -> int:
+    # K slack: the last round may write K + 1 positions past the response's end.
+    return self._pool.pages_for(len(r.prompt) + self._max_new(r) + self.config.num_draft_tokens)
+
   def _validate(self, requests: Sequence[Request]) -> None:
     c = self.config
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
       raise ValueError("request_id values must be unique within a generate call")
     for r in requests:
-      max_new = c.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
+      max_new = self._max_new(r)
       if not r.prompt:
         raise ValueError(f"request {r.request_id}: empty prompt")
       if not 1 <= max_new <= c.max_new_tokens:
         raise ValueError(f"request {r.request_id}: max_new_tokens={max_new} outside"
                          f" [1, {c.max_new_tokens}] (EngineConfig.max_new_tokens)")
-      total = len(r.prompt) + max_new
+      total = len(r.prompt) + max_new + c.num_draft_tokens
       if total > c.max_seq_len:
         raise ValueError(f"request {r.request_id}: prompt ({len(r.prompt)} tokens) +"
-                         f" max_new_tokens ({max_new}) = {total} exceeds max_seq_len"
-                         f" {c.max_seq_len}")
-      need = self._pool.pages_for(total)
+                         f" max_new_tokens ({max_new}) + draft slack ({c.num_draft_tokens})"
+                         f" = {total} exceeds max_seq_len {c.max_seq_len}")
+      need = self._pages_needed(r)
       if need > c.num_pages:
         raise ValueError(f"request {r.request_id} needs {need} KV pages but the budget is"
                          f" {c.num_pages} pages (EngineConfig.num_pages): it can never fit")
@@ -233,10 +304,17 @@ class RolloutEngine:
         raise ValueError(f"request {r.request_id}: token id outside [0,"
                          f" {self.model_config.vocab_size})")
 
-  def generate(self, requests: Sequence[Request]) -> list[Response]:
+  def generate(self, requests: Sequence[Request]) -> RolloutResult:
     """Completes every request (continuous batching); responses in request order."""
     self._validate(requests)
-    c, S, M = self.config, self.config.num_slots, self.config.max_pages_per_slot
+    t0 = time.perf_counter()
+    c, S = self.config, self.config.num_slots
+    before = self._device_counters()
+    stats0 = collections.Counter(self.stats)
+    # Sibling matching (ngram) must not see slots left over from an earlier call.
+    group = self._state.group
+    self._state = self._state.replace(group=jax.device_put(np.full(group.shape, -1, np.int32),
+                                                           group.sharding))
     queue = collections.deque(requests)
     free_slots = list(range(S - 1, -1, -1))
     running: dict[int, tuple[Request, list[int]]] = {}  # slot -> (request, pages)
@@ -245,46 +323,84 @@ class RolloutEngine:
     while queue or running:
       admitted = []
       while queue and free_slots:
-        r = queue[0]
-        max_new = c.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
-        need = self._pool.pages_for(len(r.prompt) + max_new)
+        need = self._pages_needed(queue[0])
         if need > self._pool.num_free:
           self.stats["admission_waits"] += 1
           break  # FIFO: wait for pages rather than skip ahead
-        queue.popleft()
+        r = queue.popleft()
         slot = free_slots.pop()
         running[slot] = (r, self._pool.allocate(need))
-        admitted.append((slot, max_new))
+        admitted.append(slot)
       if admitted:
         self._state = self._prefill(admitted, running)
-      self._state, rounds = self._decode_fn(self._params, self._state, self._key,
-                                            jnp.bool_(bool(queue)), jnp.int32(c.round_budget))
+      self._state, rounds = self._decode_fn(
+          self._params, self._proposer_params(), self._state, self._key,
+          jnp.bool_(bool(queue)), jnp.int32(c.round_budget))
       self.stats["device_calls"] += 1
       self.stats["rounds"] += int(rounds)
       finish = np.asarray(self._state.finish)
       finished = [s for s in running if finish[s] != RUNNING]
       if finished:
         self._collect(finished, running, done, free_slots)
-    return [done[r.request_id] for r in requests]
+    responses = [done[r.request_id] for r in requests]
+    return RolloutResult(responses, self._metrics(before, stats0, responses,
+                                                  time.perf_counter() - t0))
+
+  def _proposer_params(self):
+    return None if self.proposer is None else self.proposer.params()
+
+  def _device_counters(self) -> np.ndarray:
+    return np.concatenate([np.asarray(self._state.counters), np.asarray(self._state.accepted_at)])
+
+  def _metrics(self, before, stats0, responses, wall) -> dict:
+    delta = self._device_counters() - before
+    slot_rounds, drafted, accepted = (int(x) for x in delta[:3])
+    K = self.config.num_draft_tokens
+    stats = {k: v - stats0.get(k, 0) for k, v in self.stats.items()}
+    emitted = sum(len(r.tokens) for r in responses)
+    return {
+        **stats, "slot_rounds": slot_rounds, "drafted_tokens": drafted,
+        "accepted_tokens": accepted, "emitted_tokens": emitted, "wall_s": wall,
+        "tokens_per_s": emitted / wall if wall > 0 else 0.0,
+        "acceptance_length": 1.0 + accepted / slot_rounds if slot_rounds and K else 1.0,
+        "acceptance_at": (delta[3:] / slot_rounds).tolist() if slot_rounds and K else [],
+    }
+
+  def _reference_row(self, r: Request) -> np.ndarray:
+    """Earlier rollouts of ``r``'s prompt (newest first), ``-1`` separated and padded."""
+    R = self.config.reference_len
+    row = np.full((R,), -1, np.int32)
+    pos = 0
+    for seq in self._memory.get(tuple(r.prompt), ()):
+      take = min(len(seq), R - pos)
+      row[pos:pos + take] = seq[:take]
+      pos += take + 1
+      if pos >= R:
+        break
+    return row
 
   def _prefill(self, admitted, running) -> SlotState:
     c, S = self.config, self.config.num_slots
     n = self._bucket_batch(len(admitted))
-    T = self._bucket_len(max(len(running[s][0].prompt) for s, _ in admitted))
+    T = self._bucket_len(max(len(running[s][0].prompt) for s in admitted))
     slots = np.full((n,), S, np.int32)
     tokens = np.zeros((n, T), np.int32)
-    lens = np.zeros((n,), np.int32)
+    lens, rids, max_new = np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.ones((n,), np.int32)
+    groups = np.full((n,), -1, np.int32)
     pages = np.zeros((n, c.max_pages_per_slot), np.int32)
-    rids = np.zeros((n,), np.int32)
-    max_new = np.ones((n,), np.int32)
-    for i, (slot, mn) in enumerate(admitted):
+    refs = np.full((n, c.reference_len), -1, np.int32)
+    for i, slot in enumerate(admitted):
       r, pg = running[slot]
-      slots[i], lens[i], rids[i], max_new[i] = slot, len(r.prompt), r.request_id, mn
+      slots[i], lens[i], rids[i], groups[i] = slot, len(r.prompt), r.request_id, r.group_id
+      max_new[i] = self._max_new(r)
       tokens[i, T - len(r.prompt):] = r.prompt
       pages[i, :len(pg)] = pg
+      if c.reference_len:
+        refs[i] = self._reference_row(r)
     self.stats["prefills"] += 1
-    return self._prefill_fn(self._params, self._state, self._key, *map(jnp.asarray, (
-        slots, tokens, lens, pages, rids, max_new)))
+    return self._prefill_fn(self._params, self._proposer_params(), self._state, self._key,
+                            *map(jnp.asarray, (slots, tokens, lens, pages, rids, groups, refs,
+                                               max_new)))
 
   def _collect(self, finished, running, done, free_slots) -> None:
     st = self._state
@@ -297,6 +413,9 @@ class RolloutEngine:
           request_id=r.request_id, prompt=list(r.prompt), tokens=toks[s, :n].tolist(),
           logprobs=lps[s, :n].copy(), policy_logprobs=plps[s, :n].copy(),
           finish_reason=FINISH_REASONS[int(finish[s])])
+      if self.config.reference_len:
+        mem = self._memory.setdefault(tuple(r.prompt), collections.deque(maxlen=4))
+        mem.appendleft(list(r.prompt) + done[r.request_id].tokens)
       self._pool.release(pages)
       free_slots.append(s)  # its stale ``finish`` is ignored until prefill reuses it
 
@@ -309,4 +428,4 @@ class RolloutEngine:
       raise ValueError("generate_text needs an engine built with a tokenizer")
     reqs = [Request(self.tokenizer.encode(p), first_request_id + i, max_new_tokens)
             for i, p in enumerate(prompts)]
-    return [(self.tokenizer.decode(r.tokens), r) for r in self.generate(reqs)]
+    return [(self.tokenizer.decode(r.tokens), r) for r in self.generate(reqs).responses]

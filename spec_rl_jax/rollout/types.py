@@ -34,6 +34,8 @@ class EngineConfig:
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
+  num_draft_tokens: int = 0  # K: drafts per speculative round; 0 = plain AR
+  reference_len: int = 0  # R: tokens of earlier rollouts of a prompt kept per slot (ngram)
 
   def __post_init__(self):
     if self.max_seq_len % self.page_size:
@@ -44,6 +46,8 @@ class EngineConfig:
     for name in ("num_slots", "page_size", "num_pages", "round_budget", "min_prefill_len"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+    if self.num_draft_tokens < 0 or self.reference_len < 0:
+      raise ValueError("num_draft_tokens and reference_len must be >= 0")
 
   @property
   def max_pages_per_slot(self) -> int:  # M
@@ -57,6 +61,7 @@ class Request:
   prompt: Sequence[int]
   request_id: int
   max_new_tokens: int | None = None  # None = the engine's cap
+  group_id: int = -1  # requests sharing a prompt (GRPO group); -1 = none
 
 
 @dataclasses.dataclass
@@ -74,3 +79,18 @@ class Response:
   logprobs: np.ndarray  # [n] float32
   policy_logprobs: np.ndarray  # [n] float32
   finish_reason: str  # "eos" | "length"
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  """Responses in request order plus the batch's engine and speculative metrics.
+
+  ``metrics``: ``rounds`` (device rounds), ``slot_rounds`` (active slot-rounds),
+  ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
+  speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of slot-rounds
+  whose draft ``i`` was accepted), ``emitted_tokens``, ``prefills``, ``device_calls``,
+  ``admission_waits``, ``wall_s``.
+  """
+
+  responses: list[Response]
+  metrics: dict

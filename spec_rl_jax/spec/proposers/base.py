@@ -1,0 +1,79 @@
+"""The proposer interface and registry.
+
+A proposer drafts ``K`` tokens per slot each speculative round. It sees the engine's
+slot bookkeeping through `DraftContext`, keeps whatever device state it needs (a draft
+model's paged KV pools, nothing for n-gram), and returns the drafts with their
+processed distribution ``q`` (``[S, K, V]`` log-probs) or ``None`` for a point mass.
+It never touches the verifier: exactness is the verifier's job, whatever is proposed.
+
+Shape legend: ``S`` slots, ``K`` draft length, ``V`` vocab, ``n`` prefill batch,
+``T`` prefill length, ``M`` pages per slot, ``Lh`` history length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+from spec_rl_jax.rollout.types import EngineConfig
+
+
+class DraftContext(NamedTuple):
+  """What a proposer may read about the slots at the start of a round."""
+
+  last: jax.Array  # [S] int32: the newest token (position ``length``), not yet in KV
+  length: jax.Array  # [S] int32: tokens in the target KV cache
+  active: jax.Array  # [S] bool
+  rid: jax.Array  # [S] int32: request ids (RNG streams)
+  group: jax.Array  # [S] int32: prompt-group ids (GRPO siblings share one)
+  history: jax.Array  # [S, Lh] int32: prompt + emitted tokens by position
+  reference: jax.Array  # [S, R] int32: earlier rollouts of the slot's prompt (-1 pad)
+  page_table: jax.Array  # [S, M] int32: the slot's KV pages (shared by draft caches)
+  key: jax.Array  # the engine's base PRNG key
+
+
+class Proposer(Protocol):
+  """Device-side drafting. ``params`` (weights, never donated) and ``state`` (caches,
+  donated with the engine state) are pytrees; the methods are traced inside the
+  engine's jitted calls."""
+
+  def params(self) -> Any:
+    """Weights the proposer reads (``None`` if none)."""
+
+  def init_state(self, config: EngineConfig) -> Any:
+    """The proposer's mutable device state."""
+
+  def prefill(self, params: Any, state: Any, tokens: jax.Array, positions: jax.Array,
+              pages: jax.Array) -> Any:
+    """Sees the prompts being inserted: ``tokens[n, T]``, ``positions[n, T]`` (pads
+    negative, right-aligned as in rollout/paged_cache.py), ``pages[n, M]``."""
+
+  def propose(self, params: Any, state: Any, ctx: DraftContext, num_draft: int,
+              sampling) -> tuple[jax.Array, jax.Array | None, Any]:
+    """Returns ``(drafts [S, K], draft logprobs [S, K, V] or None, state)``."""
+
+
+_REGISTRY: dict[str, Callable[..., Proposer]] = {}
+
+
+def register(name: str):
+  def deco(factory):
+    _REGISTRY[name] = factory
+    return factory
+  return deco
+
+
+def make_proposer(name: str, **kwargs) -> Proposer:
+  """Builds the proposer registered as ``name`` (``draft_model``, ``ngram``, ...)."""
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown proposer {name!r}; registered: {sorted(_REGISTRY)}")
+  return _REGISTRY[name](**kwargs)
+
+
+def draft_key(key: jax.Array, rid: jax.Array, pos: jax.Array) -> jax.Array:
+  """Per-slot key for sampling the draft token at ``pos`` — a stream disjoint from the
+  verifier's (which folds ``rid`` then ``pos`` into ``key`` directly)."""
+  return jax.vmap(lambda r, p: jax.random.fold_in(
+      jax.random.fold_in(jax.random.fold_in(key, 0x5EED), r), p))(rid, pos)

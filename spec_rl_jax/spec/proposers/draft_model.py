@@ -1,0 +1,104 @@
+"""``draft_model``: a small external model with its own paged KV cache.
+
+The draft cache has its own pools (its own layers, KV heads, head dim) but shares the
+target's page table: position ``j`` of a slot sits in the same page id in both, so
+admission, release and rollback stay one piece of bookkeeping.
+
+Each round, for every slot (``S`` slots, ``K`` drafts, ``V`` vocab):
+  1. catch up: feed ``[history[length-1], last]`` at positions ``[length-1, length]``.
+     Re-writing ``length-1`` is harmless (same token) and covers the one position the
+     draft never saw when the previous round accepted all ``K`` drafts;
+  2. sample ``x_1 ~ q_1`` from the processed draft distribution, then feed ``x_i`` at
+     ``length+i`` for ``i = 1..K-1`` to get ``q_{i+1}``.
+Drafts at rejected positions stay in the draft cache and are overwritten later.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.rollout.paged_cache import PagedKVCache
+from spec_rl_jax.rollout.types import EngineConfig
+from spec_rl_jax.sampling import process_logits
+from spec_rl_jax.spec.proposers.base import DraftContext, draft_key, register
+
+
+def check_tokenizers_match(policy: Tokenizer, draft: Tokenizer) -> None:
+  """Raises if the draft tokenizer would map text to different ids than the policy's."""
+  pv, dv = policy.backend.get_vocab(), draft.backend.get_vocab()
+  if pv != dv:
+    only_p = sorted(set(pv) - set(dv))[:5]
+    differ = sorted(t for t in set(pv) & set(dv) if pv[t] != dv[t])[:5]
+    raise ValueError(
+        f"draft tokenizer does not match the policy's ({len(dv)} vs {len(pv)} tokens;"
+        f" missing from draft e.g. {only_p}; different ids e.g. {differ}). Speculative"
+        " decoding needs the same token ids.")
+  if policy.eos_ids != draft.eos_ids:
+    raise ValueError(f"draft EOS ids {draft.eos_ids} differ from the policy's {policy.eos_ids}")
+
+
+@register("draft_model")
+class DraftModelProposer:
+  """Drafts with a smaller `Decoder` sharing the policy's vocabulary."""
+
+  def __init__(self, model: Decoder, tokenizer: Tokenizer | None = None,
+               policy_tokenizer: Tokenizer | None = None):
+    if tokenizer is not None and policy_tokenizer is not None:
+      check_tokenizers_match(policy_tokenizer, tokenizer)
+    self.model_config = model.cfg
+    self._graphdef, self._params = nnx.split(model)
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model_config.vocab_size
+
+  def params(self):
+    return self._params
+
+  def update_params(self, model: Decoder) -> None:
+    if model.cfg != self.model_config:
+      raise ValueError("update_params needs a draft model with the same ModelConfig")
+    self._params = nnx.state(model)
+
+  def init_state(self, config: EngineConfig) -> PagedKVCache:
+    return PagedKVCache.init(self.model_config, config.num_slots, config.num_pages,
+                             config.page_size, config.max_pages_per_slot)
+
+  def prefill(self, params, state: PagedKVCache, tokens, positions, pages) -> PagedKVCache:
+    model = nnx.merge(self._graphdef, params)
+    out = model(tokens, positions, cache=state.replace(page_table=pages),
+                logits_at=jnp.zeros((tokens.shape[0], 1), jnp.int32))
+    return out.cache.replace(page_table=state.page_table)
+
+  def propose(self, params, state: PagedKVCache, ctx: DraftContext, num_draft: int,
+              sampling):
+    model = nnx.merge(self._graphdef, params)
+    S = ctx.last.shape[0]
+    cache = state.replace(page_table=ctx.page_table)
+    prev = jnp.take_along_axis(ctx.history, jnp.maximum(ctx.length - 1, 0)[:, None], 1)[:, 0]
+    pos = jnp.where(ctx.active[:, None], ctx.length[:, None] + jnp.arange(-1, 1), -1)
+    out = model(jnp.stack([prev, ctx.last], 1), pos, cache=cache,
+                logits_at=jnp.ones((S, 1), jnp.int32))
+
+    def draw(logits, i):
+      lp = process_logits(logits, sampling)  # [S, V]
+      keys = draft_key(ctx.key, ctx.rid, ctx.length + 1 + i)
+      return jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32), lp
+
+    x, lp = draw(out.logits[:, 0], 0)
+
+    def step(carry, i):
+      cache, x = carry
+      p = jnp.where(ctx.active, ctx.length + i, -1)[:, None]
+      o = model(x[:, None], p, cache=cache)
+      nxt, lp = draw(o.logits[:, 0], i)
+      return (o.cache, nxt), (nxt, lp)
+
+    (cache, _), (xs, lps) = jax.lax.scan(step, (out.cache, x), jnp.arange(1, num_draft))
+    drafts = jnp.concatenate([x[:, None], xs.T], axis=1)  # [S, K]
+    logprobs = jnp.concatenate([lp[:, None], lps.transpose(1, 0, 2)], axis=1)  # [S, K, V]
+    return drafts, logprobs, cache.replace(page_table=state.page_table)
