@@ -118,14 +118,22 @@ def _prompts(n, seed):
           for _ in range(n)]
 
 
+GREEDY = SamplingParams(temperature=0.0)
+GREEDY_REQS = [Request(p, i, group_id=i % 3) for i, p in enumerate(_prompts(9, seed=1))]
+
+
+@pytest.fixture(scope="module")
+def greedy_ar(models):
+  return _engine(models[0], None, 0, 4, sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
+
+
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
 @pytest.mark.parametrize("K", [1, 3])
-def test_greedy_sd_equals_greedy_ar(models, kind, K):
+def test_greedy_sd_equals_greedy_ar(models, greedy_ar, kind, K):
   target, draft = models
-  greedy = SamplingParams(temperature=0.0)
-  reqs = [Request(p, i, group_id=i % 3) for i, p in enumerate(_prompts(9, seed=K))]
-  ar = _engine(target, None, 0, 4, sampling=greedy, eos_ids=(11,)).generate(reqs)
-  sd = _engine(target, _proposer(kind, draft), K, 4, sampling=greedy, eos_ids=(11,)).generate(reqs)
+  ar = greedy_ar
+  sd = _engine(target, _proposer(kind, draft), K, 4, sampling=GREEDY,
+               eos_ids=(11,)).generate(GREEDY_REQS)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in ar.responses]
   for a, b in zip(ar.responses, sd.responses):
     assert a.finish_reason == b.finish_reason
@@ -135,6 +143,7 @@ def test_greedy_sd_equals_greedy_ar(models, kind, K):
   assert 0 < m["accepted_tokens"] <= m["drafted_tokens"]
   assert 1.0 < m["acceptance_length"] <= K + 1 and len(m["acceptance_at"]) == K
   assert m["slot_rounds"] < ar.metrics["slot_rounds"]  # fewer target forwards per token
+  assert 0 < m["draft_time_frac"] < 1 and "draft_time_frac" not in ar.metrics
 
 
 def _exact_joint(target, prompt, params, depth):

@@ -43,26 +43,32 @@ def measure_bandwidth(nbytes: int = 512 * 1024**2, reps: int = 5) -> float:
 
 def alternate(systems: dict[str, Callable[[], object]], reps: int, warmup: int = 1,
               baseline: str | None = None) -> dict:
-  """Times each system ``reps`` times, interleaved (A B A B ...) after ``warmup`` rounds.
+  """Runs each system ``reps`` times, interleaved (A B A B ...) after ``warmup`` rounds.
 
-  Returns ``{"times": {name: [s...]}, "median": {name: s}, "ratio": {name: median of
-  per-pair baseline_time / time}}`` (ratio > 1: faster than the baseline).
+  A system may return the work it did (e.g. tokens emitted); throughput is then
+  ``work / time`` per run, else ``1 / time``. Returns ``{"times": {name: [s...]},
+  "median": {name: median s}, "rate": {name: median throughput}, "ratio": {name:
+  median over repetitions of rate / baseline rate}}`` (ratio > 1: faster).
   """
   for _ in range(warmup):
     for fn in systems.values():
       fn()
   times = {name: [] for name in systems}
+  rates = {name: [] for name in systems}
   for _ in range(reps):
     for name, fn in systems.items():
       t = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t)
+      work = fn()
+      dt = time.perf_counter() - t
+      times[name].append(dt)
+      rates[name].append((work if isinstance(work, (int, float)) else 1.0) / dt)
   baseline = baseline or next(iter(systems))
   return {
       "times": times,
       "median": {n: statistics.median(v) for n, v in times.items()},
-      "ratio": {n: statistics.median(b / x for b, x in zip(times[baseline], v))
-                for n, v in times.items()},
+      "rate": {n: statistics.median(v) for n, v in rates.items()},
+      "ratio": {n: statistics.median(x / b for b, x in zip(rates[baseline], v))
+                for n, v in rates.items()},
   }
 
 

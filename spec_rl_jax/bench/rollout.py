@@ -78,7 +78,7 @@ def main(argv=None) -> dict:
         max_new_tokens=new_tokens, round_budget=new_tokens, min_prefill_len=prompt_len,
         sampling=SamplingParams(temperature=0.0)))
     next_id = iter(range(10**9))
-    ours = lambda: engine.generate([Request(p.tolist(), next(next_id)) for p in prompts])
+    ours = lambda: engine.generate([Request(p.tolist(), next(next_id)) for p in prompts]).responses
     theirs = lambda: _hf_generate(hf, prompts, new_tokens)
 
     with common.CompileCounter() as warm_compiles:

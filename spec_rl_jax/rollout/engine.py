@@ -115,6 +115,8 @@ class RolloutEngine:
                                out_shardings=state_sharding)
     self._decode_fn = jax.jit(self._decode, donate_argnums=2,
                               out_shardings=(state_sharding, NamedSharding(mesh, P())))
+    self._draft_only = jax.jit(self._draft_phase)
+    self._verify_only = jax.jit(self._verify_phase)
     self.stats = collections.Counter()
 
   @property
@@ -189,20 +191,30 @@ class RolloutEngine:
         out_policy_lp=state.out_policy_lp.at[slots, 0].set(first.policy_logprobs[:, 0],
                                                             mode="drop"))
 
-  def _round(self, model, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
+  def _draft_phase(self, proposer_params, st: SlotState, key):
+    """Proposes ``K`` drafts per slot: ``(drafts [S, K], logprobs [S, K, V] | None, state)``."""
+    S, K = st.active.shape[0], self.config.num_draft_tokens
+    if not K:
+      return jnp.zeros((S, 0), jnp.int32), None, st.proposer
+    ctx = DraftContext(last=st.last, length=st.length, active=st.active, rid=st.rid,
+                       group=st.group, history=st.history, reference=st.reference,
+                       page_table=st.cache.page_table, key=key)
+    return self.proposer.propose(proposer_params, st.proposer, ctx, K, self.config.sampling)
+
+  def _verify_phase(self, params, st: SlotState, drafts):
+    """One target forward over ``[last, drafts]`` (K+1 positions per active slot)."""
+    model = nnx.merge(self._graphdef, params)
+    K = drafts.shape[1]
+    positions = jnp.where(st.active[:, None], st.length[:, None] + jnp.arange(K + 1)[None, :], -1)
+    return model(jnp.concatenate([st.last[:, None], drafts], 1), positions, cache=st.cache)
+
+  def _round(self, params, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
     """One round: propose K, verify K+1, emit 1..K+1 tokens per active slot."""
     S, N = st.out_tok.shape
     K = self.config.num_draft_tokens
     act = st.active
-    drafts, draft_lp, proposer_state = jnp.zeros((S, 0), jnp.int32), None, st.proposer
-    if K:
-      ctx = DraftContext(last=st.last, length=st.length, active=act, rid=st.rid,
-                         group=st.group, history=st.history, reference=st.reference,
-                         page_table=st.cache.page_table, key=key)
-      drafts, draft_lp, proposer_state = self.proposer.propose(
-          proposer_params, st.proposer, ctx, K, self.config.sampling)
-    positions = jnp.where(act[:, None], st.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    out = model(jnp.concatenate([st.last[:, None], drafts], 1), positions, cache=st.cache)
+    drafts, draft_lp, proposer_state = self._draft_phase(proposer_params, st, key)
+    out = self._verify_phase(params, st, drafts)
     v = verify(round_keys(key, st.rid, st.length + 1), drafts, draft_lp, out.logits,
                self.config.sampling)
 
@@ -238,7 +250,6 @@ class RolloutEngine:
   def _decode(self, params, proposer_params, state: SlotState, key, stop_on_finish,
               max_rounds):
     """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``."""
-    model = nnx.merge(self._graphdef, params)
 
     def cond(carry):
       rounds, st, finished = carry
@@ -246,7 +257,7 @@ class RolloutEngine:
 
     def body(carry):
       rounds, st, finished = carry
-      st, newly = self._round(model, proposer_params, st, key)
+      st, newly = self._round(params, proposer_params, st, key)
       return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
@@ -343,8 +354,24 @@ class RolloutEngine:
       if finished:
         self._collect(finished, running, done, free_slots)
     responses = [done[r.request_id] for r in requests]
-    return RolloutResult(responses, self._metrics(before, stats0, responses,
-                                                  time.perf_counter() - t0))
+    metrics = self._metrics(before, stats0, responses, time.perf_counter() - t0)
+    if c.num_draft_tokens:
+      metrics["draft_time_frac"] = self._draft_time_fraction()
+    return RolloutResult(responses, metrics)
+
+  def _draft_time_fraction(self) -> float:
+    """Share of a round spent drafting: one timed propose call and one timed verify
+    forward on the current state (both compiled on first use, timed warm)."""
+    args = self._proposer_params(), self._state, self._key
+    jax.block_until_ready(self._draft_only(*args))
+    t = time.perf_counter()
+    drafts = jax.block_until_ready(self._draft_only(*args))[0]
+    t_draft = time.perf_counter() - t
+    jax.block_until_ready(self._verify_only(self._params, self._state, drafts))
+    t = time.perf_counter()
+    jax.block_until_ready(self._verify_only(self._params, self._state, drafts))
+    t_verify = time.perf_counter() - t
+    return t_draft / (t_draft + t_verify)
 
   def _proposer_params(self):
     return None if self.proposer is None else self.proposer.params()

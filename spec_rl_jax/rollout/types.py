@@ -89,7 +89,9 @@ class RolloutResult:
   ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
   speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of slot-rounds
   whose draft ``i`` was accepted), ``emitted_tokens``, ``prefills``, ``device_calls``,
-  ``admission_waits``, ``wall_s``.
+  ``admission_waits``, ``wall_s``, ``tokens_per_s``, and with drafting
+  ``draft_time_frac`` (share of a round spent proposing, from one timed propose call
+  and one timed verify forward on the final state).
   """
 
   responses: list[Response]
