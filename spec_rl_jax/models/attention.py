@@ -21,6 +21,7 @@ Shape legend: ``B`` batch, ``T`` query tokens, ``S`` key tokens, ``H`` query hea
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kernels_pallas.verify_attention.reference import verify_attention_reference
+import kernels_pallas
 
 NEG_INF = -1e30  # finite so fully-masked rows stay NaN-free
 
@@ -67,13 +68,13 @@ class AttentionImpl:
   paged: Callable[..., jax.Array]
 
 
+# "pallas": Mosaic kernels on TPU; elsewhere kernels_pallas falls back to the reference
+# (logged once). Dense (cache-free) attention has no kernel: training uses XLA's.
 _IMPLS: dict[str, AttentionImpl] = {
-    "xla": AttentionImpl(dense=dot_product_attention, paged=verify_attention_reference),
+    name: AttentionImpl(dense=dot_product_attention,
+                        paged=functools.partial(kernels_pallas.verify_attention, impl=name))
+    for name in ("xla", "pallas")
 }
-
-
-def register_impl(name: str, impl: AttentionImpl) -> None:
-  _IMPLS[name] = impl
 
 
 def get_impl(name: str) -> AttentionImpl:
