@@ -38,6 +38,14 @@ class Verification(NamedTuple):
   accepted: jax.Array  # [S, K] bool: draft i accepted (False after the first rejection)
 
 
+def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
+  """``norm(max(p − q, 0))`` over the last axis (``q = 0`` gives ``p``: the bonus)."""
+  residual = jnp.maximum(p - q, 0.0)
+  mass = residual.sum(-1, keepdims=True)
+  # mass == 0 only through rounding when p ≈ q; then p itself is exact enough.
+  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+
+
 def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array | None,
            target_logits: jax.Array, params: SamplingParams) -> Verification:
   """Accept/reject ``draft_tokens[S, K]`` against ``target_logits[S, K+1, V]``.
@@ -73,11 +81,8 @@ def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array |
   q_pad = jnp.concatenate([q, jnp.zeros((S, 1, V), q.dtype)], axis=1)  # q_K := 0
   p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [S, V]
   q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-  residual = jnp.maximum(p_j - q_j, 0.0)
-  mass = residual.sum(-1, keepdims=True)
-  # mass == 0 only through rounding when p_j ≈ q_j; then p_j itself is exact enough.
-  residual = jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p_j)
-  extra = jax.vmap(jax.random.categorical)(sub[:, 1], jnp.log(residual)).astype(jnp.int32)
+  extra = jax.vmap(jax.random.categorical)(
+      sub[:, 1], jnp.log(residual_distribution(p_j, q_j))).astype(jnp.int32)
 
   pos = jnp.arange(K + 1)[None, :]
   x_pad = jnp.concatenate([x, jnp.zeros((S, 1), jnp.int32)], axis=1)

@@ -1,0 +1,206 @@
+"""Statistical exactness of speculative rollouts against adversarial drafters.
+
+Tiny-vocab target (V = 8), 3-token continuations (the first from prefill, the next two
+from speculative rounds with K = 2), the exact joint law enumerated by teacher forcing,
+``n = 20k`` engine samples per case. Checks: chi-square at p = 0.001 (cells with
+expected count < 5 pooled) and total variation below 1.5x its expected value under the
+null (plus 0.005). A sampler that skips the residual correction fails both.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from spec_rl_jax.models.config import get_preset
+from spec_rl_jax.models.kv_cache import ContiguousKVCache
+from spec_rl_jax.models.transformer import init_decoder
+from spec_rl_jax.rollout.engine import RolloutEngine
+from spec_rl_jax.rollout.types import EngineConfig, Request
+from spec_rl_jax.sampling import SamplingParams, process_logits
+from spec_rl_jax.spec import verifier
+from spec_rl_jax.spec.proposers import make_proposer
+
+V, N_SAMPLES, PROMPT = 8, 20_000, [3, 1, 4, 1, 5]
+
+
+def _target():
+  model = init_decoder(get_preset("tiny-qwen3", vocab_size=V), seed=11)
+  nnx.update(model, jax.tree.map(lambda x: 2 * x, nnx.state(model, nnx.Param)))  # spread p
+  return model
+
+
+def _copy(model, scale_final_norm=1.0, zero_embed=False):
+  m = nnx.merge(*nnx.split(model))
+  m = nnx.merge(nnx.graphdef(m), jax.tree.map(jnp.copy, nnx.state(m)))
+  m.final_norm.scale[...] = m.final_norm.scale[...] * scale_final_norm
+  if zero_embed:  # tied head: logits are exactly 0, q is uniform
+    m.embed[...] = jnp.zeros_like(m.embed[...])
+  return m
+
+
+class ConstantProposer:
+  """Adversarial deterministic drafter: always proposes one (unlikely) token."""
+
+  vocab_size = V
+
+  def __init__(self, token: int):
+    self.token = token
+
+  def params(self):
+    return None
+
+  def init_state(self, config):
+    return None
+
+  def prefill(self, params, state, tokens, positions, pages):
+    return state
+
+  def propose(self, params, state, ctx, num_draft, sampling):
+    return jnp.full((ctx.last.shape[0], num_draft), self.token, jnp.int32), None, state
+
+
+def _proposer(kind, target):
+  if kind == "point_mass_unlikely":
+    logits = target(jnp.asarray([PROMPT]), jnp.arange(len(PROMPT))[None]).logits[0, -1]
+    return ConstantProposer(int(jnp.argmin(logits)))
+  draft = {"uniform": lambda: _copy(target, zero_embed=True),
+           "sharper": lambda: _copy(target, scale_final_norm=3.0),
+           "q_equals_p": lambda: target}[kind]()
+  return make_proposer("draft_model", model=draft)
+
+
+def _exact(target, params, depth=3):
+  probs = {(): 1.0}
+  for _ in range(depth):
+    nxt = {}
+    for prefix, pr in probs.items():
+      seq = jnp.asarray([PROMPT + list(prefix)])
+      p = np.exp(np.asarray(process_logits(
+          target(seq, jnp.arange(seq.shape[1])[None]).logits[0, -1], params), np.float64))
+      for t in np.flatnonzero(p > 0):
+        nxt[prefix + (int(t),)] = pr * p[t]
+    probs = nxt
+  return probs
+
+
+def _sample(target, proposer, params, n=N_SAMPLES):
+  engine = RolloutEngine(target, EngineConfig(
+      num_slots=256, page_size=8, num_pages=512, max_seq_len=16, max_new_tokens=3,
+      min_prefill_len=8, sampling=params, num_draft_tokens=2), proposer=proposer)
+  return engine.generate([Request(PROMPT, i) for i in range(n)])
+
+
+def _tests(exact: dict, result) -> tuple[float, float, float, float]:
+  """(chi2, chi2 threshold, TV, TV threshold)."""
+  cells = sorted(exact)
+  index = {c: i for i, c in enumerate(cells)}
+  counts = np.zeros(len(cells))
+  outside = 0
+  for r in result.responses:
+    i = index.get(tuple(r.tokens))
+    if i is None:
+      outside += 1
+    else:
+      counts[i] += 1
+  p = np.asarray([exact[c] for c in cells])
+  n = len(result.responses)
+  exp = n * p
+  big = exp >= 5
+  obs_c = np.append(counts[big], counts[~big].sum() + outside)
+  exp_c = np.append(exp[big], exp[~big].sum())
+  keep = exp_c > 0
+  chi2 = float((((obs_c - exp_c) ** 2)[keep] / exp_c[keep]).sum()) + (
+      math.inf if outside and not exp[~big].sum() else 0.0)
+  df = int(keep.sum()) - 1
+  z = 3.09  # p = 0.001, Wilson–Hilferty
+  chi2_max = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+  tv = 0.5 * (np.abs(counts / n - p).sum() + outside / n)
+  tv_null = 0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (math.pi * n)))
+  return chi2, chi2_max, tv, 1.5 * tv_null + 0.005
+
+
+FAST = [("uniform", 1.0, 1.0), ("point_mass_unlikely", 0.7, 1.0), ("sharper", 1.0, 0.9),
+        ("q_equals_p", 0.7, 0.9)]
+ALL = [(k, t, tp) for k in ("uniform", "point_mass_unlikely", "sharper", "q_equals_p")
+       for t in (0.7, 1.0) for tp in (1.0, 0.9)]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return _target()
+
+
+def _check(target, kind, temperature, top_p):
+  params = SamplingParams(temperature=temperature, top_p=top_p)
+  res = _sample(target, _proposer(kind, target), params)
+  chi2, chi2_max, tv, tv_max = _tests(_exact(target, params), res)
+  assert chi2 < chi2_max, (kind, chi2, chi2_max)
+  assert tv < tv_max, (kind, tv, tv_max)
+  m = res.metrics
+  assert m["drafted_tokens"] > 0
+  if kind == "q_equals_p":
+    assert m["accepted_tokens"] / m["drafted_tokens"] > 0.95
+  elif kind in ("point_mass_unlikely", "uniform"):
+    assert m["accepted_tokens"] < m["drafted_tokens"]
+
+
+@pytest.mark.parametrize("kind,temperature,top_p", FAST)
+def test_sd_distribution_exact(target, kind, temperature, top_p):
+  _check(target, kind, temperature, top_p)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind,temperature,top_p", [c for c in ALL if c not in FAST])
+def test_sd_distribution_exact_full_grid(target, kind, temperature, top_p):
+  _check(target, kind, temperature, top_p)
+
+
+def test_broken_sampler_is_detected(target, monkeypatch):
+  """Skipping the residual correction (resampling from p after a rejection) biases the
+  output towards the drafts' rejected mass; both statistics must catch it."""
+  monkeypatch.setattr(verifier, "residual_distribution", lambda p, q: p)
+  params = SamplingParams(temperature=1.0)
+  res = _sample(target, _proposer("sharper", target), params)
+  chi2, chi2_max, tv, tv_max = _tests(_exact(target, params), res)
+  assert chi2 > chi2_max and tv > tv_max, (chi2, chi2_max, tv, tv_max)
+
+
+def test_sd_logprobs_equal_teacher_forcing_and_rollback_leaves_exact_cache(target):
+  """Sampled SD rollouts: returned logprobs equal a teacher-forced forward; after
+  rejections the target and draft caches hold exactly the accepted tokens' KV."""
+  params = SamplingParams(temperature=1.0)
+  draft = _copy(target, scale_final_norm=3.0)
+  proposer = make_proposer("draft_model", model=draft)
+  engine = RolloutEngine(target, EngineConfig(
+      num_slots=1, page_size=8, num_pages=8, max_seq_len=48, max_new_tokens=30,
+      sampling=params, num_draft_tokens=3), proposer=proposer)
+  res = engine.generate([Request(PROMPT, 0)])
+  r = res.responses[0]
+  assert 0 < res.metrics["accepted_tokens"] < res.metrics["drafted_tokens"]  # rejections
+  seq = PROMPT + r.tokens
+  logits = target(jnp.asarray([seq]), jnp.arange(len(seq))[None]).logits[0]
+  pred = logits[len(PROMPT) - 1:-1]
+  toks = jnp.asarray(r.tokens)[:, None]
+  np.testing.assert_allclose(r.policy_logprobs,
+                             jnp.take_along_axis(jax.nn.log_softmax(pred), toks, 1)[:, 0],
+                             atol=1e-4)
+  np.testing.assert_allclose(r.logprobs, jnp.take_along_axis(
+      process_logits(pred, params), toks, 1)[:, 0], atol=1e-4)
+
+  # KV of every position whose token is committed: 0 .. len(seq) - 2 (the last emitted
+  # token's KV is written by the next round, which never came). The draft catches up on
+  # its newest position at the start of a round, so it is checked one position less.
+  for model, cache, n in ((target, engine._state.cache, len(seq) - 1),
+                          (draft, engine._state.proposer, len(seq) - 2)):
+    ref = model(jnp.asarray([seq[:n]]), jnp.arange(n)[None],
+                cache=ContiguousKVCache.init(model.cfg, 1, n)).cache
+    k_pages = cache.layers[0]  # [L, Hk, P, Ps, Dh]; one request: pages 0, 1, ... in order
+    Ps = k_pages.shape[3]
+    got = k_pages[:, :, : -(-n // Ps)].reshape(k_pages.shape[0], k_pages.shape[1], -1,
+                                               k_pages.shape[-1])[:, :, :n]
+    want = ref.layers[0][:, 0].transpose(0, 2, 1, 3)  # [L, Hk, n, Dh]
+    np.testing.assert_allclose(got, want, atol=1e-5)
