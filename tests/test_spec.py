@@ -220,3 +220,25 @@ def test_engine_rejects_mismatched_proposer_setup(models):
     _engine(target, small_vocab, 2, 2)
   with pytest.raises(ValueError, match="unknown proposer"):
     make_proposer("oracle")
+
+
+def test_ngram_proposals_by_hand():
+  """Own history, a sibling's history and the reference each supply the continuation."""
+  from spec_rl_jax.spec.proposers.base import DraftContext
+  hist = np.zeros((4, 12), np.int32)
+  hist[0, :8] = [1, 2, 3, 9, 8, 1, 2, 3]  # own: suffix 1 2 3 seen at 0..2 -> 9 8 1
+  hist[1, :4] = [7, 5, 6, 4]  # no own match for "6 4"; sibling slot 2 has "6 4 11 12 13"
+  hist[2, :7] = [5, 6, 4, 11, 12, 13, 0]
+  hist[3, :3] = [40, 41, 42]  # only the reference has "41 42 ..."
+  ref = np.full((4, 10), -1, np.int32)
+  ref[3, :6] = [41, 42, 43, 44, 45, 46]
+  ctx = DraftContext(
+      last=jnp.asarray(hist[np.arange(4), [7, 3, 6, 2]]), length=jnp.asarray([7, 3, 6, 2]),
+      active=jnp.ones(4, bool), rid=jnp.arange(4), group=jnp.asarray([0, 1, 1, 2]),
+      history=jnp.asarray(hist), reference=jnp.asarray(ref),
+      page_table=jnp.zeros((4, 1), jnp.int32), key=jax.random.key(0))
+  drafts, q, _ = make_proposer("ngram", max_ngram=3).propose(None, None, ctx, 3, GREEDY)
+  assert q is None
+  assert drafts[0].tolist() == [9, 8, 1]
+  assert drafts[1].tolist() == [11, 12, 13]
+  assert drafts[3].tolist() == [43, 44, 45]

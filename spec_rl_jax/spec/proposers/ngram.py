@@ -14,8 +14,10 @@ and the most recent occurrence. Continuations that run past a corpus' valid end,
 slots with no match at all, are filled with the last token: they are simply rejected.
 Exactness never depends on the drafts: every draft is verified.
 
-Shape legend: ``S`` slots, ``Lh`` history length, ``R`` reference length, ``K`` drafts.
-Cost per round: ``O(max_ngram · S · (S·Lh + R))`` integer compares.
+Shape legend: ``S`` slots, ``G`` siblings searched per slot (``max_siblings``), ``Lh``
+history length, ``R`` reference length, ``K`` drafts. Matching is incremental over
+``n`` (an ``n``-gram match is an ``(n-1)``-gram match plus one compare), so a round
+costs ``O(max_ngram · S · ((1 + G)·Lh + R))`` integer compares.
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ from spec_rl_jax.spec.proposers.base import DraftContext, register
 class NGramProposer:
   """Suffix-match drafting over own history, siblings and earlier rollouts."""
 
-  def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+  def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_siblings: int = 8):
     if not 1 <= min_ngram <= max_ngram:
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-    self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    if max_siblings < 0:
+      raise ValueError(f"max_siblings must be >= 0, got {max_siblings}")
+    self.max_ngram, self.min_ngram, self.max_siblings = max_ngram, min_ngram, max_siblings
 
   def params(self):
     return None
@@ -46,67 +50,65 @@ class NGramProposer:
     return state
 
   def propose(self, params, state, ctx: DraftContext, num_draft: int, sampling):
-    hist, ref, K = ctx.history, ctx.reference, num_draft
+    hist, K = ctx.history, num_draft
     S, Lh = hist.shape
-    R = ref.shape[1]
     cur = ctx.length  # position of ``last`` in each slot's history
     rows = jnp.arange(S)
-    # Only slots that ever held a request have a group id >= 0.
-    same_group = (ctx.group[:, None] == ctx.group[None, :]) & (ctx.group[None, :] >= 0)
-    pos = jnp.arange(Lh)
-    # Valid match end j (exclusive of the current suffix itself for the own row) and
-    # the valid extent of each row's tokens.
-    own_end = cur[:, None]  # matches must end before ``cur``
-    row_len = (ctx.length + 1)[None, :]  # [1, S]: tokens 0..length of each row
-    best_src = jnp.full((S,), -1, jnp.int32)  # 0 = history rows, 1 = reference
-    best_row = jnp.zeros((S,), jnp.int32)
-    best_end = jnp.zeros((S,), jnp.int32)
-    found = jnp.zeros((S,), bool)
-    for n in range(self.min_ngram, self.max_ngram + 1):  # longer n overrides
-      idx = cur[:, None] - (n - 1) + jnp.arange(n)[None, :]  # [S, n]
-      suffix = jnp.take_along_axis(hist, jnp.maximum(idx, 0), axis=1)
+    # Corpus rows of slot s: [own, up to G siblings] (C = 1 + G), gathered so the cost
+    # grows with the group size, not with S. Slots that never held a request of this
+    # group sort last and are masked out.
+    G = min(self.max_siblings, S - 1)
+    sibling = (ctx.group[:, None] == ctx.group[None, :]) & (ctx.group[None, :] >= 0) & (
+        rows[None, :] != rows[:, None])  # [S, S]
+    order = jnp.argsort(jnp.where(sibling, rows[None, :], S + rows[None, :]), axis=1)[:, :G]
+    src_rows = jnp.concatenate([rows[:, None], order], axis=1)  # [S, C]
+    src_ok = jnp.concatenate([jnp.ones((S, 1), bool),
+                              jnp.take_along_axis(sibling, order, axis=1)], axis=1)
+    corpora = [hist[src_rows]]  # [S, C, Lh]
+    # Valid match ends j: own row before ``cur`` (the suffix itself ends at cur);
+    # sibling rows before their last token (at least one continuation token).
+    limit = jnp.where(src_rows == rows[:, None], cur[:, None], ctx.length[src_rows])  # [S, C]
+    valid = [src_ok[:, :, None] & (jnp.arange(Lh)[None, None, :] < limit[:, :, None])]
+    R = ctx.reference.shape[1]
+    W = max(Lh, R)  # rank bands: own row > siblings > references; later positions first
+    ranks = [jnp.where(jnp.arange(1 + G)[None, :, None] == 0, 2 * W, W)
+             + jnp.arange(Lh)[None, None, :]]
+    if R:  # earlier rollouts of this prompt: lowest rank
+      corpora.append(ctx.reference[:, None, :])
+      valid.append(jnp.broadcast_to(jnp.arange(R) < R - 1, (S, 1, R)))
+      ranks.append(jnp.arange(R)[None, None, :])
+    best = [jnp.full((S,), -1, jnp.int32) for _ in corpora]  # best rank per corpus
+    best_at = [jnp.zeros((S,), jnp.int32) for _ in corpora]  # flat index of that match
+    match = [v for v in valid]
+    for n in range(1, self.max_ngram + 1):  # incremental: n-gram = (n-1)-gram & one more
+      want = jnp.take_along_axis(hist, jnp.maximum(cur - (n - 1), 0)[:, None], axis=1)[:, 0]
       has_suffix = cur >= n - 1
-      # history rows: m[s, r, j]
-      eq = None
-      for i in range(n):
-        shifted = jnp.roll(hist, i, axis=1).at[:, :i].set(-2)  # shifted[r, j] = hist[r, j-i]
-        e = shifted[None, :, :] == suffix[:, n - 1 - i][:, None, None]
-        eq = e if eq is None else eq & e
-      ok_row = jnp.where(rows[None, :] == rows[:, None], True, same_group)  # [S, S]
-      end_ok = jnp.where(rows[None, :, None] == rows[:, None, None],
-                         pos[None, None, :] < own_end[:, :, None],
-                         pos[None, None, :] < row_len[:, :, None] - 1)
-      m_hist = eq & ok_row[:, :, None] & end_ok & (pos >= n - 1)[None, None, :]
-      # rank: own row first, then siblings; later positions first
-      rank = jnp.where(rows[None, :, None] == rows[:, None, None], 2 * Lh, Lh) + pos
-      score_h = jnp.where(m_hist, rank, -1).reshape(S, S * Lh)
-      flat = jnp.argmax(score_h, axis=1)
-      hit_h = jnp.max(score_h, axis=1) >= 0
-      # reference rows: m[s, j] (none when the engine keeps no references)
-      score_r = jnp.full((S, 1), -1, jnp.int32)
-      if R:
-        eq_r = None
-        for i in range(n):
-          shifted = jnp.roll(ref, i, axis=1).at[:, :i].set(-2)
-          e = shifted == suffix[:, n - 1 - i][:, None]
-          eq_r = e if eq_r is None else eq_r & e
-        rpos = jnp.arange(R)
-        score_r = jnp.where(eq_r & (rpos >= n - 1)[None, :] & (rpos < R - 1)[None, :], rpos, -1)
-      hit_r = jnp.max(score_r, axis=1) >= 0
-      hit = has_suffix & (hit_h | hit_r)
-      src = jnp.where(hit_h, 0, 1)
-      best_src = jnp.where(hit, src, best_src)
-      best_row = jnp.where(hit, jnp.where(hit_h, flat // Lh, 0), best_row)
-      best_end = jnp.where(hit, jnp.where(hit_h, flat % Lh, jnp.argmax(score_r, axis=1)),
-                           best_end)
-      found |= hit
+      for c, corpus in enumerate(corpora):
+        L = corpus.shape[-1]
+        back = jnp.pad(corpus, ((0, 0), (0, 0), (n - 1, 0)), constant_values=-2)[..., :L]
+        match[c] = match[c] & (back == want[:, None, None]) & has_suffix[:, None, None]
+        if n < self.min_ngram:
+          continue
+        score = jnp.where(match[c], ranks[c], -1).reshape(S, -1)
+        top = jnp.max(score, axis=1)
+        hit = top >= 0  # a longer n overrides a shorter one
+        best[c] = jnp.where(hit, top + n * 3 * W, best[c])  # longer n first
+        best_at[c] = jnp.where(hit, jnp.argmax(score, axis=1), best_at[c])
 
-    take = best_end[:, None] + 1 + jnp.arange(K)[None, :]  # [S, K] continuation positions
-    from_hist = hist[best_row[:, None], jnp.minimum(take, Lh - 1)]
-    hist_limit = jnp.where(best_row == rows, cur + 1, ctx.length[best_row] + 1)
-    from_hist = jnp.where(take < hist_limit[:, None], from_hist, -1)
-    from_ref = (jnp.where(take < R, jnp.take_along_axis(ref, jnp.minimum(take, R - 1), axis=1), -1)
-                if R else jnp.full((S, K), -1, jnp.int32))
-    drafts = jnp.where((best_src == 0)[:, None], from_hist, from_ref)
+    # Pick the corpus with the best (longest n, then rank) match; read K tokens after it.
+    scores = jnp.stack(best, 1)  # [S, #corpora]
+    c_star = jnp.argmax(scores, axis=1)
+    found = jnp.max(scores, axis=1) >= 0
+    drafts = jnp.full((S, K), -1, jnp.int32)
+    for c, corpus in enumerate(corpora):
+      L = corpus.shape[-1]
+      row, end = best_at[c] // L, best_at[c] % L
+      take = end[:, None] + 1 + jnp.arange(K)[None, :]  # [S, K]
+      toks = jnp.take_along_axis(corpus[rows, row], jnp.minimum(take, L - 1), axis=1)
+      if c == 0:  # history rows end at their slot's current length
+        row_end = jnp.where(row == 0, cur, ctx.length[src_rows[rows, row]])
+        toks = jnp.where(take <= row_end[:, None], toks, -1)
+      toks = jnp.where(take < L, toks, -1)
+      drafts = jnp.where((c_star == c)[:, None], toks, drafts)
     drafts = jnp.where(found[:, None] & (drafts >= 0), drafts, ctx.last[:, None])
     return drafts.astype(jnp.int32), None, state
