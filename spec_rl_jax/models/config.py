@@ -103,8 +103,8 @@ PRESETS: dict[str, ModelConfig] = {
     # The embedded default policy and its drafter, trained by `python -m spec_rl_jax.sft`
     # on the built-in tasks (vocab = the task tokenizer's cap, spec_rl_jax/tasks/bpe.py).
     "default-policy": ModelConfig(
-        arch="qwen3", vocab_size=512, embed_dim=384, mlp_dim=1152, num_layers=6,
-        num_heads=6, num_kv_heads=2, head_dim=64, rope_theta=10_000.0, qk_norm=True,
+        arch="qwen3", vocab_size=512, embed_dim=320, mlp_dim=1024, num_layers=6,
+        num_heads=5, num_kv_heads=1, head_dim=64, rope_theta=10_000.0, qk_norm=True,
         tie_embeddings=True, max_position_embeddings=512),
     "default-draft": ModelConfig(
         arch="qwen3", vocab_size=512, embed_dim=192, mlp_dim=576, num_layers=3,

@@ -1,0 +1,129 @@
+"""Training checkpoints (orbax) and loading a model from any checkpoint directory.
+
+A run directory holds ``ckpt/<step>/`` with three orbax items:
+
+  * ``state``: ``{"params", "opt", "step"}`` — pure pytrees of arrays,
+  * ``data``: the grain iterator state (the exact future batches),
+  * ``meta``: JSON — the run config and the model config,
+
+so a killed run resumes with the same future (params, optimizer, data, step; the
+trainer's randomness is a function of the step). `load_model` opens either a run
+directory (latest step) or a Hugging Face directory (``config.json``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from spec_rl_jax.models import hf_io
+from spec_rl_jax.models.config import Llama3RopeScaling, ModelConfig
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models.transformer import Decoder, abstract_decoder
+
+CKPT_DIR = "ckpt"
+TOKENIZER_DIR = "tokenizer"
+
+
+def cache_dir() -> str:
+  """Where the default models live: ``$SPEC_RL_JAX_CACHE``, else ``~/.cache/spec_rl_jax``."""
+  return os.path.expanduser(os.environ.get("SPEC_RL_JAX_CACHE", "~/.cache/spec_rl_jax"))
+
+
+def config_to_json(cfg: ModelConfig) -> dict:
+  return dataclasses.asdict(cfg)
+
+
+def config_from_json(d: dict) -> ModelConfig:
+  scaling = d.get("rope_scaling")
+  return ModelConfig(**{**d, "rope_scaling": scaling and Llama3RopeScaling(**scaling)})
+
+
+class TrainCheckpointer:
+  """Saves/restores ``(state, data iterator, meta)`` under ``run_dir/ckpt``."""
+
+  def __init__(self, run_dir: str, max_to_keep: int = 2):
+    self.manager = ocp.CheckpointManager(
+        os.path.join(os.path.abspath(run_dir), CKPT_DIR),
+        options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
+
+  def latest_step(self) -> int | None:
+    return self.manager.latest_step()
+
+  def save(self, step: int, state: Any, data_iter, meta: dict) -> None:
+    """Asynchronous for the arrays; `wait` (or `close`) before reading it back."""
+    self.manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data_iter),
+        meta=ocp.args.JsonSave(meta)))
+
+  def restore(self, abstract_state: Any, data_iter) -> tuple[Any, dict]:
+    """Restores the latest step into ``data_iter``; returns ``(state, meta)``."""
+    step = self.manager.latest_step()
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state),
+        data=grain.checkpoint.CheckpointRestore(data_iter), meta=ocp.args.JsonRestore()))
+    return out.state, out.meta
+
+  def restore_meta(self) -> dict:
+    step = self.manager.latest_step()
+    return self.manager.restore(step, args=ocp.args.Composite(
+        meta=ocp.args.JsonRestore())).meta
+
+  def restore_params(self, abstract_params: Any) -> Any:
+    """Only the parameters of the latest step (e.g. to evaluate a running job)."""
+    step = self.manager.latest_step()
+    abstract = {"params": abstract_params}
+    state = self.manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True)))
+    return state.state["params"]
+
+  def wait(self) -> None:
+    self.manager.wait_until_finished()
+
+  def close(self) -> None:
+    self.manager.close()
+
+
+def abstract_params(cfg: ModelConfig) -> tuple[Any, dict]:
+  """``(graphdef, pure-dict params of ShapeDtypeStructs)`` of a decoder."""
+  graphdef, state = nnx.split(abstract_decoder(cfg))
+  return graphdef, jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                nnx.to_pure_dict(state))
+
+
+def _load_run(path: str) -> tuple[Decoder, Tokenizer | None]:
+  ckpt = TrainCheckpointer(path)
+  if ckpt.latest_step() is None:
+    raise FileNotFoundError(f"{path}: run directory without checkpoints")
+  cfg = config_from_json(ckpt.restore_meta()["model"])
+  graphdef, abstract = abstract_params(cfg)
+  params = ckpt.restore_params(abstract)
+  ckpt.close()
+  tok_dir = os.path.join(path, TOKENIZER_DIR)
+  tokenizer = Tokenizer.load(tok_dir) if os.path.isdir(tok_dir) else None
+  return nnx.merge(graphdef, params), tokenizer
+
+
+def _load_hf(path: str) -> tuple[Decoder, Tokenizer | None]:
+  return hf_io.load_hf_checkpoint(path)
+
+
+# (marker file or directory inside the checkpoint, loader), tried in order.
+_LOADERS = (("config.json", _load_hf), (CKPT_DIR, _load_run))
+
+
+def load_model(path: str) -> tuple[Decoder, Tokenizer | None]:
+  """A model (and tokenizer, if stored) from a HF directory or a training run."""
+  for marker, loader in _LOADERS:
+    if os.path.exists(os.path.join(path, marker)):
+      return loader(path)
+  raise FileNotFoundError(f"{path}: neither a HF checkpoint (config.json) nor a training"
+                          f" run ({CKPT_DIR}/)")

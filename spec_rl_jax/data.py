@@ -1,0 +1,263 @@
+"""Data: prompt/answer records from task generators or JSONL files, as grain pipelines.
+
+A *record* is ``{"prompt": str, "answer": str}`` plus an optional ``"task"`` naming its
+reward (GSM8K schema; the built-in tasks write the same). A `Source` names where
+records come from, as a CLI-friendly string::
+
+  task:arithmetic                                 built-in generator, default difficulty
+  task:countdown?num_numbers=4,max_number=30@0.5  difficulty; mixture weight 0.5
+  jsonl:/data/gsm8k_train.jsonl                   a user's file (the file is the split)
+
+Pipelines (all grain, so the iterator state is a small dict that checkpoints with the
+run and restores the exact future batches):
+
+  * `sft_batches`: record → prompt ids + response ids (+EOS) → padded batches (a few
+    shapes) with a loss mask on the response,
+  * `prompt_batches`: record → prompt ids, batched as lists for the rollout engine.
+
+Finite sources are shuffled (seeded, reshuffled each epoch) and repeated; generator
+sources are already random. Sources are mixed by weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.tasks import get_task
+from spec_rl_jax.tasks.base import record_at, unique_records
+
+Record = dict[str, str]
+GENERATOR_LENGTH = 2**31 - 1  # "infinite": grain map datasets need a length
+PROMPT_TEMPLATE = "{prompt}\n"
+DEFAULT_SOURCES = ("task:arithmetic", "task:countdown")  # the default models' data
+
+
+class JsonlError(ValueError):
+  """A JSONL line that is not a prompt/answer record; names the file and line."""
+
+
+def read_jsonl(path: str, skip_bad_lines: bool = False) -> list[Record]:
+  """Reads prompt/answer records; blank lines are ignored.
+
+  A line that is not a JSON object with string ``prompt`` and ``answer`` raises
+  `JsonlError` naming ``path:line``; with ``skip_bad_lines`` it is skipped instead and
+  the skipped lines are counted in one warning.
+  """
+  records, bad = [], []
+  with open(path) as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        records.append(_check_record(json.loads(line)))
+      except (json.JSONDecodeError, ValueError) as e:
+        if not skip_bad_lines:
+          raise JsonlError(f"{path}:{lineno}: {e}") from e
+        bad.append(lineno)
+  if bad:
+    logging.warning("%s: skipped %d bad line(s): %s%s", path, len(bad), bad[:10],
+                    " ..." if len(bad) > 10 else "")
+  if not records:
+    raise JsonlError(f"{path}: no records")
+  return records
+
+
+def _check_record(obj: Any) -> Record:
+  if not isinstance(obj, dict):
+    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+  for field in ("prompt", "answer"):
+    if not isinstance(obj.get(field), str):
+      raise ValueError(f"field {field!r} missing or not a string")
+  if "task" in obj and not isinstance(obj["task"], str):
+    raise ValueError("field 'task' must be a string")
+  return {k: obj[k] for k in ("prompt", "answer", "task") if k in obj}
+
+
+class TaskRecords(Sequence):
+  """The infinite record stream of a task split, by index (a grain data source)."""
+
+  def __init__(self, task, split: str, seed: int):
+    self.task, self.split, self.seed = task, split, seed
+
+  def __len__(self) -> int:
+    return GENERATOR_LENGTH
+
+  def __getitem__(self, index: int) -> Record:
+    return record_at(self.task, self.split, self.seed, int(index))
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """Where records come from. ``kind`` is a key of `SOURCES`; ``name`` a task or path."""
+
+  kind: str
+  name: str
+  params: tuple[tuple[str, Any], ...] = ()  # task difficulty
+  weight: float = 1.0
+
+  @classmethod
+  def parse(cls, spec: str) -> "Source":
+    """``kind:name[?k=v,...][@weight]``; values are parsed as JSON (ints, floats)."""
+    body, _, weight = spec.rpartition("@") if "@" in spec else (spec, "", "")
+    kind, _, rest = body.partition(":")
+    name, _, kv = rest.partition("?")
+    if kind not in SOURCES or not name:
+      raise ValueError(f"bad data source {spec!r}: expected kind:name with kind in"
+                       f" {sorted(SOURCES)}")
+    params = []
+    for item in filter(None, kv.split(",")):
+      k, eq, v = item.partition("=")
+      try:
+        if not eq:
+          raise ValueError("expected key=value")
+        params.append((k, json.loads(v)))
+      except ValueError as e:
+        raise ValueError(f"bad parameter {item!r} in {spec!r}: {e}") from e
+    return cls(kind, name, tuple(params), float(weight) if weight else 1.0)
+
+  def records(self, split: str, seed: int) -> Sequence[Record]:
+    """The training stream (random access; generators are infinite)."""
+    return SOURCES[self.kind].records(self, split, seed)
+
+  def held_out(self, n: int, seed: int) -> list[Record]:
+    """``n`` evaluation records (fewer if a file is shorter)."""
+    return SOURCES[self.kind].held_out(self, n, seed)
+
+  def describe(self) -> dict[str, Any]:
+    """What the records are (a task's full difficulty setting, a file's path)."""
+    return SOURCES[self.kind].describe(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceKind:
+  """How one kind of source yields records."""
+
+  records: Callable[[Source, str, int], Sequence[Record]]
+  held_out: Callable[[Source, int, int], list[Record]]
+  describe: Callable[[Source], dict[str, Any]]
+
+
+def _task(s: Source):
+  return get_task(s.name, **dict(s.params))
+
+
+SOURCES: dict[str, SourceKind] = {
+    # Generators: the split is a hash of the problem; held-out = distinct test problems.
+    "task": SourceKind(
+        records=lambda s, split, seed: TaskRecords(_task(s), split, seed),
+        held_out=lambda s, n, seed: unique_records(_task(s), "test", seed, n),
+        describe=lambda s: dataclasses.asdict(_task(s))),
+    # Files: the file is the split; held-out = its first n records.
+    "jsonl": SourceKind(records=lambda s, split, seed: read_jsonl(s.name),
+                        held_out=lambda s, n, seed: read_jsonl(s.name)[:n],
+                        describe=lambda s: {"path": os.path.abspath(s.name)}),
+}
+
+
+def mixed_records(sources: Sequence[Source], split: str, seed: int) -> grain.MapDataset:
+  """The weighted, infinite mixture of ``sources`` (finite ones shuffled per epoch)."""
+  if not sources:
+    raise ValueError("no data sources")
+  parts = []
+  for i, s in enumerate(sources):
+    records = s.records(split, seed + i)
+    ds = grain.MapDataset.source(records)
+    if len(records) < GENERATOR_LENGTH:
+      ds = ds.shuffle(seed=seed + i).repeat()
+    parts.append(ds)
+  return grain.MapDataset.mix(parts, [s.weight for s in sources])
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTEncoder:
+  """record → ``{"ids": prompt ids + response ids + EOS, "prompt_len": int}``.
+
+  Prompt and response are encoded separately, so the loss-mask boundary is exact and
+  the prompt ids are the ones the policy sees at rollout time.
+  """
+
+  tokenizer: Tokenizer
+  template: str = PROMPT_TEMPLATE
+
+  def prompt_ids(self, record: Mapping[str, str]) -> list[int]:
+    return self.tokenizer.encode(self.template.format(prompt=record["prompt"]))
+
+  def __call__(self, record: Mapping[str, str]) -> dict[str, Any]:
+    prompt = self.prompt_ids(record)
+    response = self.tokenizer.encode(record["answer"]) + [self.tokenizer.eos_ids[0]]
+    return {"ids": np.asarray(prompt + response, np.int32), "prompt_len": len(prompt)}
+
+
+def collate_sft(examples: Sequence[Mapping[str, Any]], pad_id: int, max_len: int,
+                pad_multiple: int) -> dict[str, np.ndarray]:
+  """Pads next-token examples to ``T`` = the longest rounded up to ``pad_multiple``
+  (capped at ``max_len``; ``pad_multiple == max_len`` gives one fixed shape).
+
+  Returns ``tokens[B,T]`` int32 inputs, ``targets[B,T]`` int32 next tokens,
+  ``loss_mask[B,T]`` float32 (1 where the target is a response token, EOS included)
+  and ``valid[B,T]`` bool (real input tokens).
+  """
+  longest = max(len(e["ids"]) - 1 for e in examples)
+  T = min(max_len, -(-longest // pad_multiple) * pad_multiple)
+  B = len(examples)
+  tokens = np.full((B, T), pad_id, np.int32)
+  targets = np.full((B, T), pad_id, np.int32)
+  loss_mask = np.zeros((B, T), np.float32)
+  valid = np.zeros((B, T), bool)
+  for b, e in enumerate(examples):
+    ids, n = e["ids"], len(e["ids"]) - 1
+    tokens[b, :n], targets[b, :n], valid[b, :n] = ids[:-1], ids[1:], True
+    loss_mask[b, e["prompt_len"] - 1:n] = 1.0
+  return {"tokens": tokens, "targets": targets, "loss_mask": loss_mask, "valid": valid}
+
+
+class _FitsMaxLen(grain.transforms.Filter):
+  """Drops examples longer than ``max_len`` next-token positions (warns on the first)."""
+
+  def __init__(self, max_len: int):
+    self.max_len, self.warned = max_len, False
+
+  def filter(self, example) -> bool:
+    fits = len(example["ids"]) - 1 <= self.max_len
+    if not fits and not self.warned:
+      logging.warning("dropping examples longer than max_len=%d tokens (first one: %d)",
+                      self.max_len, len(example["ids"]) - 1)
+      self.warned = True
+    return fits
+
+
+def sft_batches(sources: Sequence[Source], tokenizer: Tokenizer, batch_size: int,
+                max_len: int, *, seed: int = 0, split: str = "train",
+                pad_multiple: int | None = None,
+                template: str = PROMPT_TEMPLATE) -> grain.IterDataset:
+  """Infinite SFT batches (see `collate_sft`); ``iter(...)`` has ``get_state``/
+  ``set_state``. ``pad_multiple`` defaults to ``max_len`` (one fixed shape)."""
+  encode = SFTEncoder(tokenizer, template)
+  pad_multiple = pad_multiple or max_len
+  return (mixed_records(sources, split, seed).map(encode).to_iter_dataset()
+          .filter(_FitsMaxLen(max_len))
+          .batch(batch_size, drop_remainder=True,
+                 batch_fn=lambda ex: collate_sft(ex, tokenizer.pad_id, max_len,
+                                                 pad_multiple)))
+
+
+def prompt_batches(sources: Sequence[Source], tokenizer: Tokenizer, batch_size: int, *,
+                   seed: int = 0, split: str = "train",
+                   template: str = PROMPT_TEMPLATE) -> grain.IterDataset:
+  """Infinite batches ``{"prompt_ids": list[list[int]], "records": list[Record]}``."""
+  encode = SFTEncoder(tokenizer, template)
+  return (mixed_records(sources, split, seed)
+          .map(lambda r: {"prompt_ids": encode.prompt_ids(r), "record": r})
+          .to_iter_dataset()
+          .batch(batch_size, drop_remainder=True,
+                 batch_fn=lambda ex: {"prompt_ids": [e["prompt_ids"] for e in ex],
+                                      "records": [e["record"] for e in ex]}))

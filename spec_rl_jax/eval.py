@@ -1,0 +1,158 @@
+"""Held-out task accuracy of any checkpoint: pass@1 greedy, pass@1 sampled, pass@k.
+
+``python -m spec_rl_jax.eval --model ~/.cache/spec_rl_jax/policy`` evaluates a HF
+directory or a training run directory (`checkpoint.load_model`) on the test split of
+each data source (default: the built-in tasks at their default difficulty).
+``--draft PATH`` also measures how well a draft model predicts the policy: on the
+policy's own sampled responses, the per-token speculative acceptance probability
+``α = E[Σ_v min(p_v, q_v)]`` at temperature 1 and the greedy agreement
+``E[argmax p == argmax q]``.
+
+Generation goes through `rollout`, the one function to swap for a faster engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from spec_rl_jax import checkpoint, data
+from spec_rl_jax.models.attention import NoCache
+from spec_rl_jax.models.generate import generate
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.rl import rewards
+from spec_rl_jax.sampling import SamplingParams
+
+# Shape legend: B batch, T time, V vocab.
+
+
+def rollout(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+            eos_ids: Sequence[int], params: SamplingParams, seed: int,
+            batch_size: int = 256) -> list[list[int]]:
+  """Response ids per prompt (EOS included when emitted), in fixed-size chunks so
+  every chunk reuses one compiled program."""
+  out = []
+  for start in range(0, len(prompts), batch_size):
+    chunk = list(prompts[start:start + batch_size])
+    n = len(chunk)
+    chunk += [chunk[-1]] * (min(batch_size, len(prompts)) - n)
+    gen = generate(model, chunk, max_new_tokens, eos_ids=eos_ids, params=params,
+                   seed=seed + start)
+    out.extend(gen.tokens[:n])
+  return out
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased ``P(at least one of k samples correct)`` from ``c`` correct of ``n``."""
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _max_new_tokens(tokenizer: Tokenizer, records) -> int:
+  return max(len(tokenizer.encode(r["answer"])) for r in records) + 16
+
+
+def score(tokenizer: Tokenizer, records, responses) -> list[float]:
+  texts = [tokenizer.decode(r) for r in responses]
+  return rewards.batch_rewards(records, texts)
+
+
+def evaluate_source(model: Decoder, tokenizer: Tokenizer, source: data.Source, n: int,
+                    k: int, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
+  """Accuracy on ``n`` held-out records of ``source`` (``k`` samples per prompt)."""
+  records = source.held_out(n, seed)
+  encoder = data.SFTEncoder(tokenizer)
+  prompts = [encoder.prompt_ids(r) for r in records]
+  max_new = _max_new_tokens(tokenizer, records)
+  eos = tokenizer.eos_ids
+  greedy = score(tokenizer, records,
+                 rollout(model, prompts, max_new, eos, SamplingParams(0.0), seed))
+  sampled = rollout(model, [p for p in prompts for _ in range(k)], max_new, eos,
+                    SamplingParams(temperature), seed + 1)
+  correct = np.asarray(score(tokenizer, [r for r in records for _ in range(k)], sampled))
+  per_prompt = correct.reshape(len(records), k).sum(1)
+  return {"n": len(records), "pass@1_greedy": float(np.mean(greedy)),
+          "pass@1_sampled": float(correct.mean()),
+          f"pass@{k}": float(np.mean([pass_at_k(k, int(c), k) for c in per_prompt]))}
+
+
+def evaluate(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.Source],
+             n: int = 200, k: int = 8, temperature: float = 1.0,
+             seed: int = 0) -> dict[str, dict[str, float]]:
+  """`evaluate_source` for each source, keyed by task name or file name."""
+  return {os.path.basename(s.name): evaluate_source(model, tokenizer, s, n, k, temperature,
+                                                    seed) for s in sources}
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits(graphdef, state, tokens, valid):
+  """``logits[B, T, V]`` of right-padded ``tokens[B, T]``."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return nnx.merge(graphdef, state)(tokens, positions, cache=NoCache(valid=valid)).logits
+
+
+def draft_acceptance(draft: Decoder, policy: Decoder, tokenizer: Tokenizer,
+                     source: data.Source, n: int, seed: int = 0) -> dict[str, float]:
+  """Acceptance statistics of ``draft`` for ``policy`` on the policy's samples."""
+  records = source.held_out(n, seed)
+  encoder = data.SFTEncoder(tokenizer)
+  prompts = [encoder.prompt_ids(r) for r in records]
+  responses = rollout(policy, prompts, _max_new_tokens(tokenizer, records),
+                      tokenizer.eos_ids, SamplingParams(1.0), seed)
+  seqs = [p + r for p, r in zip(prompts, responses)]
+  T = -(-max(map(len, seqs)) // 16) * 16
+  tokens = np.full((len(seqs), T), tokenizer.pad_id, np.int32)
+  valid = np.zeros((len(seqs), T), bool)
+  mask = np.zeros((len(seqs), T), bool)  # positions whose next token is a response token
+  for b, (p, s) in enumerate(zip(prompts, seqs)):
+    tokens[b, :len(s)], valid[b, :len(s)] = s, True
+    mask[b, len(p) - 1:len(s) - 1] = True
+  p = jax.nn.softmax(_logits(*nnx.split(policy), tokens, valid))  # [B, T, V]
+  q = jax.nn.softmax(_logits(*nnx.split(draft), tokens, valid))
+  alpha = np.asarray(jnp.minimum(p, q).sum(-1))[mask]
+  agree = np.asarray(p.argmax(-1) == q.argmax(-1))[mask]
+  return {"acceptance_prob": float(alpha.mean()), "greedy_agreement": float(agree.mean())}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default=os.path.join(checkpoint.cache_dir(), "policy"),
+                      help="HF checkpoint directory or SFT run directory")
+  parser.add_argument("--data", nargs="+", default=list(data.DEFAULT_SOURCES),
+                      help="data sources (see spec_rl_jax.data.Source)")
+  parser.add_argument("--n", type=int, default=200, help="held-out prompts per source")
+  parser.add_argument("--k", type=int, default=8, help="samples per prompt")
+  parser.add_argument("--temperature", type=float, default=1.0)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--draft", default=None, help="also measure this draft model")
+  parser.add_argument("--out", default=None, help="write the results as JSON here")
+  args = parser.parse_args(argv)
+  model, tokenizer = checkpoint.load_model(args.model)
+  if tokenizer is None:
+    raise ValueError(f"{args.model} has no tokenizer")
+  sources = [data.Source.parse(s) for s in args.data]
+  results = {"model": args.model, "accuracy": evaluate(
+      model, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
+  if args.draft:
+    draft, _ = checkpoint.load_model(args.draft)
+    results["draft"] = {os.path.basename(s.name): draft_acceptance(
+        draft, model, tokenizer, s, args.n, args.seed) for s in sources}
+  print(json.dumps(results, indent=2))
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+  main()

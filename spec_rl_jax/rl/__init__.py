@@ -1,0 +1,1 @@
+"""The RL learner: rewards (host-side Python), advantages, losses and the loop."""

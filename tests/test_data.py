@@ -1,0 +1,118 @@
+"""Data pipelines: sources, JSONL errors, SFT batches and their loss mask, iterator state."""
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+from spec_rl_jax.data import (JsonlError, Source, SFTEncoder, prompt_batches, read_jsonl,
+                              sft_batches)
+from spec_rl_jax.tasks import get_task
+from spec_rl_jax.tasks.base import export_jsonl
+from spec_rl_jax.tasks.bpe import default_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return default_tokenizer()
+
+
+def test_source_parse():
+  s = Source.parse("task:countdown?num_numbers=4,max_number=30@0.5")
+  assert s == Source("task", "countdown", (("num_numbers", 4), ("max_number", 30)), 0.5)
+  assert Source.parse("jsonl:/tmp/a.jsonl") == Source("jsonl", "/tmp/a.jsonl")
+  assert s.describe() == {"num_numbers": 4, "max_number": 30, "max_target": 50,
+                          "name": "countdown"}
+  for bad in ["countdown", "parquet:/x", "task:", "task:countdown?num_numbers",
+              "task:countdown?num_numbers=four"]:
+    with pytest.raises(ValueError, match="bad"):
+      Source.parse(bad)
+
+
+def _write(path, lines):
+  path.write_text("\n".join(lines) + "\n")
+  return str(path)
+
+
+def test_jsonl_bad_lines_raise_with_line_number_or_are_skipped(tmp_path, caplog):
+  good = json.dumps({"prompt": "What is 1+1?", "answer": "#### 2"})
+  path = _write(tmp_path / "d.jsonl", [good, "", "{not json", json.dumps({"prompt": "x"}),
+                                       json.dumps([1, 2]), good])
+  with pytest.raises(JsonlError, match=r"d\.jsonl:3: "):
+    read_jsonl(path)
+  with caplog.at_level(logging.WARNING):
+    records = read_jsonl(path, skip_bad_lines=True)
+  assert records == [json.loads(good)] * 2
+  assert "skipped 3 bad line(s): [3, 4, 5]" in caplog.text
+  with pytest.raises(JsonlError, match=r":1: field 'answer'"):
+    read_jsonl(_write(tmp_path / "e.jsonl", [json.dumps({"prompt": "p", "answer": 3})]))
+  with pytest.raises(JsonlError, match="no records"):
+    read_jsonl(_write(tmp_path / "f.jsonl", [""]))
+
+
+def test_sft_batch_layout_and_loss_mask(tok):
+  src = [Source.parse("task:arithmetic?max_digits=3")]
+  batch = next(iter(sft_batches(src, tok, batch_size=4, max_len=48, seed=0)))
+  assert {k: v.shape for k, v in batch.items()} == {k: (4, 48) for k in batch}
+  record = src[0].records("train", 0)[0]
+  ex = SFTEncoder(tok)(record)
+  n = len(ex["ids"]) - 1
+  row = {k: v[0] for k, v in batch.items()}
+  np.testing.assert_array_equal(row["tokens"][:n], ex["ids"][:-1])
+  np.testing.assert_array_equal(row["targets"][:n], ex["ids"][1:])
+  assert row["valid"].sum() == n and not row["valid"][n:].any()
+  # The loss covers exactly the response tokens and the final EOS.
+  target_text = tok.decode(row["targets"][row["loss_mask"] > 0], skip_special_tokens=False)
+  assert target_text == record["answer"] + "<|endoftext|>"
+
+
+def test_overlong_examples_are_dropped(tok, caplog):
+  src = [Source.parse("task:arithmetic?min_digits=1,max_digits=6")]
+  with caplog.at_level(logging.WARNING):
+    batch = next(iter(sft_batches(src, tok, batch_size=16, max_len=40, seed=0)))
+  assert batch["valid"].sum(1).max() <= 40 and batch["loss_mask"].sum(1).min() > 0
+  assert "longer than max_len=40" in caplog.text
+
+
+def test_iterator_state_restores_the_same_future(tok, tmp_path):
+  path = tmp_path / "a.jsonl"
+  export_jsonl(get_task("countdown"), str(path), "train", 30)
+  src = [Source.parse("task:arithmetic@2"), Source.parse(f"jsonl:{path}")]
+  it = iter(sft_batches(src, tok, batch_size=8, max_len=64, seed=1, pad_multiple=16))
+  for _ in range(5):  # past one epoch of the file: reshuffled repeats
+    next(it)
+  state = it.get_state()
+  future = [next(it) for _ in range(3)]
+  fresh = iter(sft_batches(src, tok, batch_size=8, max_len=64, seed=1, pad_multiple=16))
+  fresh.set_state(state)
+  for a, b in zip(future, [next(fresh) for _ in range(3)]):
+    for k in a:
+      np.testing.assert_array_equal(a[k], b[k])
+
+
+def test_mixture_weights_and_padding_buckets(tok, tmp_path):
+  path = tmp_path / "a.jsonl"
+  export_jsonl(get_task("countdown"), str(path), "train", 30)
+  src = [Source.parse("task:arithmetic@3"), Source.parse(f"jsonl:{path}@1")]
+  it = iter(prompt_batches(src, tok, batch_size=40, seed=0))
+  tasks = [r.get("task") for r in next(it)["records"]]
+  assert tasks.count("arithmetic") == 30 and tasks.count("countdown") == 10
+  it = iter(sft_batches(src, tok, batch_size=4, max_len=64, seed=0, pad_multiple=16))
+  assert all(next(it)["tokens"].shape[1] % 16 == 0 for _ in range(5))
+
+
+def test_prompt_batches_hold_prompt_ids_and_records(tok):
+  src = [Source.parse("task:countdown")]
+  batch = next(iter(prompt_batches(src, tok, batch_size=3, seed=0)))
+  assert len(batch["prompt_ids"]) == len(batch["records"]) == 3
+  for ids, r in zip(batch["prompt_ids"], batch["records"]):
+    assert tok.decode(ids) == r["prompt"] + "\n"
+
+
+def test_held_out_records(tmp_path):
+  path = tmp_path / "a.jsonl"
+  export_jsonl(get_task("arithmetic"), str(path), "test", 5)
+  assert len(Source.parse(f"jsonl:{path}").held_out(100, 0)) == 5
+  recs = Source.parse("task:arithmetic?max_digits=3").held_out(50, 0)
+  assert len({r["prompt"] for r in recs}) == 50

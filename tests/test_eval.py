@@ -1,0 +1,84 @@
+"""Evaluation: pass@k, the scoring path, draft acceptance and the CLI."""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+
+from spec_rl_jax import eval as evaluation
+from spec_rl_jax.data import Source
+from spec_rl_jax.models import hf_io
+from spec_rl_jax.models.config import get_preset
+from spec_rl_jax.models.transformer import init_decoder
+from spec_rl_jax.tasks.bpe import default_tokenizer
+
+TINY = get_preset("tiny-qwen3", vocab_size=512)
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return default_tokenizer()
+
+
+@pytest.mark.parametrize("n,c,k", [(5, 0, 1), (5, 2, 1), (5, 2, 3), (6, 3, 6), (4, 4, 2)])
+def test_pass_at_k_matches_enumeration(n, c, k):
+  outcomes = [1] * c + [0] * (n - c)
+  subsets = list(itertools.combinations(outcomes, k))
+  assert evaluation.pass_at_k(n, c, k) == pytest.approx(np.mean([any(s) for s in subsets]))
+  assert evaluation.pass_at_k(n, c, 1) == pytest.approx(c / n)
+
+
+def _oracle(tok, records, correct):
+  """A `rollout` that answers each prompt with its reference iff ``correct(i, sample)``."""
+  by_prompt = {tuple(tok.encode(r["prompt"] + "\n")): r for r in records}
+  counter = itertools.count()
+
+  def rollout(model, prompts, max_new_tokens, eos_ids, params, seed):
+    out = []
+    for p in prompts:
+      r, i = by_prompt[tuple(p)], next(counter)
+      text = r["answer"] if correct(i, params.greedy) else "#### -1"
+      out.append(tok.encode(text) + [eos_ids[0]])
+    return out
+
+  return rollout
+
+
+def test_scores_follow_the_responses(tok, monkeypatch):
+  source = Source.parse("task:arithmetic?max_digits=3")
+  records = source.held_out(10, 0)
+  # Greedy always right; sampled right on every other call (k=2: one of two per prompt).
+  monkeypatch.setattr(evaluation, "rollout",
+                      _oracle(tok, records, lambda i, greedy: greedy or i % 2 == 0))
+  out = evaluation.evaluate(None, tok, [source], n=10, k=2)["arithmetic"]
+  assert out == {"n": 10, "pass@1_greedy": 1.0, "pass@1_sampled": 0.5, "pass@2": 1.0}
+  monkeypatch.setattr(evaluation, "rollout", _oracle(tok, records, lambda i, greedy: False))
+  out = evaluation.evaluate(None, tok, [source], n=10, k=2)["arithmetic"]
+  assert out["pass@1_greedy"] == out["pass@1_sampled"] == out["pass@2"] == 0.0
+
+
+def test_draft_acceptance(tok):
+  policy = init_decoder(TINY, seed=0)
+  source = Source.parse("task:countdown")
+  same = evaluation.draft_acceptance(policy, policy, tok, source, n=4)
+  assert same["acceptance_prob"] == pytest.approx(1.0, abs=1e-5)
+  assert same["greedy_agreement"] == 1.0
+  other = evaluation.draft_acceptance(init_decoder(TINY, seed=1), policy, tok, source, n=4)
+  assert 0.0 < other["acceptance_prob"] < 0.999
+
+
+def test_cli_on_a_hf_checkpoint(tok, tmp_path, capsys):
+  model_dir, draft_dir = str(tmp_path / "model"), str(tmp_path / "draft")
+  hf_io.save_hf_checkpoint(init_decoder(TINY, seed=0), model_dir, tok)
+  hf_io.save_hf_checkpoint(init_decoder(TINY, seed=1), draft_dir, tok)
+  out = tmp_path / "r.json"
+  evaluation.main(["--model", model_dir, "--data", "task:arithmetic?max_digits=2",
+                   "--n", "3", "--k", "2", "--draft", draft_dir, "--out", str(out)])
+  result = json.loads(out.read_text())
+  assert result == json.loads(capsys.readouterr().out)
+  acc = result["accuracy"]["arithmetic"]
+  assert set(acc) == {"n", "pass@1_greedy", "pass@1_sampled", "pass@2"} and acc["n"] == 3
+  assert all(0 <= v <= 1 for k, v in acc.items() if k != "n")
+  assert not math.isnan(result["draft"]["arithmetic"]["acceptance_prob"])
