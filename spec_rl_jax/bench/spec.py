@@ -39,7 +39,8 @@ def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
   from spec_rl_jax import data
   recs = data.mixed_records([data.Source.parse(s) for s in ("task:arithmetic", "task:countdown")],
                             "test", seed)
-  return [tokenizer.encode(recs[i]["prompt"]) for i in range(n)]
+  encode = data.SFTEncoder(tokenizer)  # the prompt template the models were trained on
+  return [encode.prompt_ids(recs[i]) for i in range(n)]
 
 
 def main(argv=None) -> dict:
@@ -52,14 +53,14 @@ def main(argv=None) -> dict:
   ap.add_argument("--ks", default=None)
   args = ap.parse_args(argv)
 
-  from spec_rl_jax import sft
+  from spec_rl_jax.checkpoint import cache_dir
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
   from spec_rl_jax.spec.proposers import make_proposer
 
-  policy_dir = args.policy or os.path.join(sft.cache_dir(), "policy")
-  draft_dir = args.draft or os.path.join(sft.cache_dir(), "draft")
+  policy_dir = args.policy or os.path.join(cache_dir(), "policy")
+  draft_dir = args.draft or os.path.join(cache_dir(), "draft")
   policy, tokenizer = _load(policy_dir)
   draft, draft_tok = _load(draft_dir)
   batch_sizes = [int(b) for b in (args.batch_sizes or ("1,8" if args.quick else "1,8,32")).split(",")]

@@ -1,0 +1,225 @@
+"""The trainer's configuration: frozen dataclasses (the one schema), YAML recipes,
+dotted command-line overrides.
+
+``load_config("configs/x.yaml", ["learner.lr=1e-5", "rollout.group_size=8"])`` reads a
+recipe (a nested mapping mirroring `TrainConfig`), applies ``section.field=value``
+overrides (values parsed as YAML: ``1e-5``, ``true``, ``[a, b]``) and type-checks
+every field. Unknown keys are rejected with the valid alternatives named. The defaults
+of `TrainConfig` are the CPU recipe (configs/default.yaml holds the same values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import yaml
+
+from spec_rl_jax.rl.advantages import ADVANTAGES
+from spec_rl_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
+
+LONG_PROMPT_POLICIES = ("skip", "error")
+
+
+class ConfigError(ValueError):
+  """A recipe or override that does not fit the schema."""
+
+
+def _check_choice(name: str, value: str, choices) -> None:
+  if value not in choices:
+    raise ConfigError(f"{name}={value!r} is not one of {sorted(choices)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+  """The policy: a HF checkpoint directory or a training run directory.
+
+  Relative paths are under the cache (``$SPEC_RL_JAX_CACHE``, where
+  ``python -m spec_rl_jax.sft`` writes the default models).
+  """
+
+  path: str = "policy"
+  mesh: tuple[int, ...] = (1, 1, 1)  # (data, fsdp, tensor)
+  distributed: bool = False  # multi-host: jax.distributed.initialize() from the env
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  """Speculative rollouts: ``num_draft_tokens`` K (0 = plain AR) from ``proposer``."""
+
+  proposer: str = "draft_model"  # a key of train.PROPOSERS
+  num_draft_tokens: int = 3  # K
+  path: str = "draft"  # draft_model: checkpoint, relative = under the cache
+  max_ngram: int = 4  # ngram: longest suffix matched
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Sampling G responses per prompt through the rollout engine."""
+
+  prompts_per_step: int = 16  # B
+  group_size: int = 8  # G
+  max_prompt_len: int = 16
+  max_new_tokens: int = 40
+  on_long_prompt: str = "skip"  # "skip" (counted, logged) | "error"
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  num_slots: int = 64
+  page_size: int = 16
+  num_pages: int = 1024
+  round_budget: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    _check_choice("rollout.on_long_prompt", self.on_long_prompt, LONG_PROMPT_POLICIES)
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerConfig:
+  """GRPO-family update: estimator, loss, aggregation, optimizer, batching."""
+
+  advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGES
+  loss: str = "ppo_clip"  # a key of rl.losses.POLICY_LOSSES
+  aggregation: str = "token_mean"  # a key of rl.losses.AGGREGATIONS
+  clip_eps_low: float = 0.2
+  clip_eps_high: float = 0.2
+  kl_coef: float = 0.0  # β; > 0 keeps a frozen reference copy of the initial policy
+  adv_eps: float = 1e-6
+  lr: float = 5e-5
+  warmup_steps: int = 2
+  weight_decay: float = 0.0
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.99
+  num_minibatches: int = 1  # optimizer steps per global batch
+  micro_batch_size: int = 32  # responses per forward/backward (gradient accumulation)
+  max_nan_streak: int = 3  # non-finite updates in a row before the run stops
+
+  def __post_init__(self):
+    _check_choice("learner.advantage", self.advantage, ADVANTAGES)
+    _check_choice("learner.loss", self.loss, POLICY_LOSSES)
+    _check_choice("learner.aggregation", self.aggregation, AGGREGATIONS)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Prompts (`spec_rl_jax.data.Source` specs) and held-out evaluation."""
+
+  sources: tuple[str, ...] = ("task:arithmetic",)
+  default_reward: str = "math"  # reward of records without a "task" field
+  seed: int = 0
+  eval_n: int = 100  # held-out prompts per source (0: no evaluation)
+  eval_k: int = 4  # samples per held-out prompt
+  eval_every: int = 0  # steps between evaluations (0: only before and after)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 10  # steps between (async) checkpoints; the last step always saves
+  max_to_keep: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """One RL run. ``run_dir`` empty: a fresh ``runs/<timestamp>`` directory."""
+
+  run_dir: str = ""
+  steps: int = 40
+  progress: bool = True
+  policy: PolicyConfig = PolicyConfig()
+  drafter: DrafterConfig = DrafterConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  learner: LearnerConfig = LearnerConfig()
+  data: DataConfig = DataConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+def _unknown(key: str, where: str, valid: Sequence[str]) -> ConfigError:
+  close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return ConfigError(f"unknown config key {where}{key!r}{hint}; valid keys:"
+                     f" {', '.join(sorted(valid))}")
+
+
+def _coerce(value: Any, kind: Any, name: str) -> Any:
+  """``value`` checked (and lists made tuples) against the annotation ``kind``."""
+  if dataclasses.is_dataclass(kind):
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"{name} must be a mapping, got {value!r}")
+    return from_dict(kind, value, prefix=f"{name}.")
+  if typing.get_origin(kind) is tuple:
+    if not isinstance(value, (list, tuple)):
+      raise ConfigError(f"{name} must be a list, got {value!r}")
+    item = typing.get_args(kind)[0]
+    return tuple(_coerce(v, item, f"{name}[{i}]") for i, v in enumerate(value))
+  if kind is float and isinstance(value, str):  # YAML 1.1 reads ``1e-5`` as a string
+    try:
+      value = float(value)
+    except ValueError:
+      pass
+  ok = {bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str)}[kind]
+  if not ok(value):
+    raise ConfigError(f"{name} must be {kind.__name__}, got {value!r}")
+  return float(value) if kind is float else value
+
+
+def from_dict(cls: type, d: Mapping[str, Any], prefix: str = "") -> Any:
+  """``cls`` (a config dataclass) from a nested mapping; missing fields keep defaults."""
+  hints = typing.get_type_hints(cls)
+  names = [f.name for f in dataclasses.fields(cls)]
+  kwargs = {}
+  for key, value in d.items():
+    if key not in names:
+      raise _unknown(key, prefix, names)
+    kwargs[key] = _coerce(value, hints[key], prefix + key)
+  return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  """The nested plain-data form of a config (YAML/JSON ready; tuples as lists)."""
+  def plain(v):
+    if isinstance(v, (tuple, list)):
+      return [plain(x) for x in v]
+    if isinstance(v, dict):
+      return {k: plain(x) for k, x in v.items()}
+    return v
+  return plain(dataclasses.asdict(cfg))
+
+
+def apply_override(d: dict[str, Any], override: str) -> None:
+  """Sets ``a.b.c=value`` in the nested mapping ``d`` (value parsed as YAML)."""
+  key, eq, raw = override.partition("=")
+  if not eq or not key:
+    raise ConfigError(f"bad override {override!r}: expected section.field=value")
+  *path, leaf = key.split(".")
+  node = d
+  for part in path:
+    node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"bad override {override!r}: {part!r} is not a section")
+  node[leaf] = yaml.safe_load(raw)
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+  """The recipe at ``path`` (None: the defaults) with dotted ``overrides`` applied."""
+  d: dict[str, Any] = {}
+  if path is not None:
+    with open(path) as f:
+      d = yaml.safe_load(f) or {}
+    if not isinstance(d, dict):
+      raise ConfigError(f"{path}: a recipe must be a mapping of sections")
+  for o in overrides:
+    apply_override(d, o)
+  return from_dict(TrainConfig, d)
+
+
+def dump_config(cfg: TrainConfig, path: str) -> None:
+  with open(path, "w") as f:
+    yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -1,0 +1,200 @@
+"""The GRPO-family learner: rollouts → padded batch → mini-batches → micro-batches.
+
+One global batch (``B·G`` responses of one step) is split into ``num_minibatches``
+mini-batches, one optimizer step each; a mini-batch is split into micro-batches whose
+gradients are accumulated (``lax.scan``) before the step. Loss weights come from the
+aggregation over the whole mini-batch (losses.py), so accumulation is exact:
+``∇L_mb = Σ_micro ∇ Σ_{i,t} w_{i,t} ℓ_{i,t}``.
+
+Old-policy logprobs ``log π_old`` are the rollout's (the target's verification
+logprobs); the trainer's recomputed ``log π_θ`` on the first mini-batch (same params)
+gives the rollout/trainer logprob gap, logged every step.
+
+A non-finite loss or gradient leaves the state unchanged (the step is skipped inside
+the jitted update) and is reported as ``skipped``.
+
+Shape legend: N responses, n micro-batches, m responses per micro-batch, T time
+(prompt + response, right-padded), V vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from spec_rl_jax import sharding
+from spec_rl_jax.config import LearnerConfig
+from spec_rl_jax.models.attention import NoCache
+from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.rl import losses
+
+# Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).
+_SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio")
+
+
+def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                  old_logprobs: Sequence[np.ndarray], advantages: np.ndarray, T: int,
+                  pad_id: int) -> dict[str, np.ndarray]:
+  """Right-padded next-token arrays of prompt + response sequences.
+
+  Returns ``tokens[N, T]`` inputs, ``targets[N, T]`` next tokens, ``valid[N, T]``,
+  ``mask[N, T]`` (1 where the target is a response token), ``old_logp[N, T]`` (the
+  rollout's ``log π_old`` of each target, 0 elsewhere) and ``adv[N]``.
+  """
+  N = len(prompts)
+  out = {"tokens": np.full((N, T), pad_id, np.int32),
+         "targets": np.full((N, T), pad_id, np.int32),
+         "valid": np.zeros((N, T), bool), "mask": np.zeros((N, T), np.float32),
+         "old_logp": np.zeros((N, T), np.float32),
+         "adv": np.asarray(advantages, np.float32).reshape(N)}
+  for i, (p, r, lp) in enumerate(zip(prompts, responses, old_logprobs)):
+    seq = list(p) + list(r)
+    if len(seq) - 1 > T:
+      raise ValueError(f"sequence of {len(seq)} tokens does not fit T={T}")
+    n, P = len(seq) - 1, len(p)
+    out["tokens"][i, :n] = seq[:-1]
+    out["targets"][i, :n] = seq[1:]
+    out["valid"][i, :n] = True
+    out["mask"][i, P - 1:n] = 1.0
+    out["old_logp"][i, P - 1:n] = lp
+  return out
+
+
+def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+  """AdamW behind global-norm clipping; linear warmup to a constant ``lr``."""
+  schedule = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2,
+                                 weight_decay=cfg.weight_decay))
+
+
+def _token_logps(graphdef, params, mb) -> tuple[jax.Array, jax.Array]:
+  """``(log π(target) [m, T], entropy [m, T])`` of one micro-batch."""
+  tokens = mb["tokens"]
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  logits = nnx.merge(graphdef, params)(tokens, positions,
+                                       cache=NoCache(valid=mb["valid"])).logits
+  logp = jax.nn.log_softmax(logits)  # [m, T, V]
+  target_logp = jnp.take_along_axis(logp, mb["targets"][..., None], -1)[..., 0]
+  return target_logp, losses.entropy(logits)
+
+
+def _micro_loss(params, graphdef, ref_params, mb, loss_name: str, p: losses.LossParams):
+  """``Σ w ℓ`` over one micro-batch, plus the per-token sums for metrics."""
+  logp, ent = _token_logps(graphdef, params, mb)
+  per_token, clipped = losses.get_policy_loss(loss_name)(logp, mb["old_logp"], mb["adv"], p)
+  m = mb["mask"]
+  kl = jnp.zeros_like(logp)
+  if ref_params is not None:
+    ref_logp, _ = _token_logps(graphdef, ref_params, mb)
+    kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp))
+    per_token = per_token + p.kl_coef * kl
+  sums = {"count": m.sum(), "clipped": (clipped * m).sum(),
+          "entropy": (jax.lax.stop_gradient(ent) * m).sum(),
+          "kl": (jax.lax.stop_gradient(kl) * m).sum(),
+          "gap_abs": (jnp.abs(jax.lax.stop_gradient(logp) - mb["old_logp"]) * m).sum(),
+          "ratio": (jnp.exp(jax.lax.stop_gradient(logp) - mb["old_logp"]) * m).sum()}
+  return (per_token * mb["weight"]).sum(), sums
+
+
+def minibatch_update(state, ref_params, mb, *, graphdef, tx, loss_name: str,
+                     loss_params: losses.LossParams):
+  """One optimizer step on ``state = {"params", "opt"}`` from ``mb`` arrays ``[n, m, ...]``.
+
+  Returns ``(state, metrics)``; a non-finite loss or gradient norm keeps the old state
+  (``metrics["skipped"] = 1``).
+  """
+  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+  zeros = jax.tree.map(jnp.zeros_like, state["params"])
+
+  def body(carry, micro):
+    grads, loss, sums = carry
+    (l, s), g = grad_fn(state["params"], graphdef, ref_params, micro, loss_name, loss_params)
+    return (jax.tree.map(jnp.add, grads, g), loss + l,
+            {k: sums[k] + s[k] for k in _SUMS}), None
+
+  init = (zeros, jnp.float32(0), {k: jnp.float32(0) for k in _SUMS})
+  (grads, loss, sums), _ = jax.lax.scan(body, init, mb)
+  grad_norm = optax.tree.norm(grads)
+  updates, opt = tx.update(grads, state["opt"], state["params"])
+  new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+  n = jnp.maximum(sums["count"], 1.0)
+  metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32),
+             "clip_frac": sums["clipped"] / n, "entropy": sums["entropy"] / n,
+             "kl": sums["kl"] / n, "logprob_gap": sums["gap_abs"] / n,
+             "ratio_mean": sums["ratio"] / n}
+  return new, metrics
+
+
+class Learner:
+  """Holds ``{"params", "opt"}`` of the policy (and a frozen reference when β > 0)."""
+
+  def __init__(self, model: Decoder, cfg: LearnerConfig, max_response_len: int):
+    self.cfg, self.max_response_len = cfg, max_response_len
+    self.graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    self.tx = make_optimizer(cfg)
+    self.state = {"params": params, "opt": jax.jit(self.tx.init)(params)}
+    # β > 0: a frozen copy of the initial policy (a separate buffer: state is donated).
+    self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
+    self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef)
+    # The state keeps its shardings across steps (donated in place, one compile; the
+    # engine's copy of the weights keeps its compiled programs too).
+    leaf = jax.tree.leaves(params)[0]
+    mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
+            else sharding.make_mesh((1, 1, 1)))
+    state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
+    self._update = jax.jit(
+        functools.partial(minibatch_update, graphdef=self.graphdef, tx=self.tx,
+                          loss_name=cfg.loss, loss_params=self.loss_params),
+        donate_argnums=0, out_shardings=(state_shardings, NamedSharding(mesh, P())))
+
+  def model(self) -> Decoder:
+    """The current policy as a `Decoder` (shares the learner's buffers)."""
+    return nnx.merge(self.graphdef, self.state["params"])
+
+  def check_batch_size(self, N: int) -> None:
+    """``N`` responses must split into mini-batches of whole micro-batches."""
+    k, m = self.cfg.num_minibatches, self.cfg.micro_batch_size
+    if N % k or (N // k) % m:
+      raise ValueError(f"{N} responses per step (prompts_per_step x group_size) do not"
+                       f" split into learner.num_minibatches={k} mini-batches of"
+                       f" micro-batches of learner.micro_batch_size={m}")
+
+  def _minibatches(self, batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Splits ``N`` responses into mini-batches of ``[n, m, ...]`` micro-batches."""
+    N = batch["adv"].shape[0]
+    self.check_batch_size(N)
+    k, m = self.cfg.num_minibatches, self.cfg.micro_batch_size
+    out = []
+    for part in np.split(np.arange(N), k):
+      mb = {key: v[part] for key, v in batch.items()}
+      mb["weight"] = losses.aggregation_weights(self.cfg.aggregation, mb["mask"],
+                                                self.max_response_len)
+      out.append({key: v.reshape(len(part) // m, m, *v.shape[1:]) for key, v in mb.items()})
+    return out
+
+  def update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One step on a packed global batch (`pack_rollouts`); returns its metrics.
+
+    ``logprob_gap`` (mean |log π_θ - log π_old| over response tokens) is taken from the
+    first mini-batch, whose forward still uses the rollout's parameters.
+    """
+    metrics = []
+    for mb in self._minibatches(batch):
+      self.state, m = self._update(self.state, self.ref_params, mb)
+      metrics.append(jax.device_get(m))
+    out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
+    out["logprob_gap"] = float(metrics[0]["logprob_gap"])
+    out["skipped"] = int(sum(m["skipped"] for m in metrics))
+    return out

@@ -1,0 +1,356 @@
+"""GRPO-family RL with speculative rollouts: ``python -m spec_rl_jax.train``.
+
+``python -m spec_rl_jax.train [--config configs/x.yaml] [--resume] [section.field=value ...]``
+
+With no arguments it trains the default policy (``python -m spec_rl_jax.sft`` puts it
+in the cache) on the built-in arithmetic task with speculative rollouts drafted by the
+default draft model, on CPU, and reports held-out accuracy before and after.
+
+A step t (sync, staleness 0):
+
+  1. rollout   B prompts × G samples through the engine (K drafts per round, K = 0 is
+               AR); request ids ``(t·B + i)·G + g`` seed the sampling, so the future
+               of a run is a function of (config, step);
+  2. reward    responses decoded and scored by the records' verifiers (rl/rewards.py);
+  3. update    advantages (rl/advantages.py) → PPO-clip loss on ``log π_old`` = the
+               rollout's target logprobs (rl/learner.py) → new weights to the engine.
+
+The run directory holds ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``,
+``ckpt/`` (params, optimizer, draft params, data iterator, counters; async orbax) and
+``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
+checkpoint with the same future. The draft model is not trained here: its lag behind
+the policy (updates since the draft weights were synced) is logged as
+``spec/draft_lag_steps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from spec_rl_jax import checkpoint, data, sharding, sft
+from spec_rl_jax import eval as evaluation
+from spec_rl_jax.config import DrafterConfig, TrainConfig, dump_config, load_config, to_dict
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.rl import metrics as obs
+from spec_rl_jax.rl.advantages import compute_advantages
+from spec_rl_jax.rl.learner import Learner, pack_rollouts
+from spec_rl_jax.rl.prompts import prompt_stream
+from spec_rl_jax.rl.rewards import batch_rewards
+from spec_rl_jax.rollout.engine import RolloutEngine
+from spec_rl_jax.rollout.types import EngineConfig, Request
+from spec_rl_jax.sampling import SamplingParams
+from spec_rl_jax.sft import use_fast_cpu_flags
+from spec_rl_jax.spec.proposers import Proposer, make_proposer
+
+# Shape legend: B prompts per step, G group size, N = B·G responses, T time.
+
+
+class NonFiniteLossError(RuntimeError):
+  """Too many non-finite updates in a row (``learner.max_nan_streak``)."""
+
+
+def resolve_path(path: str) -> str:
+  """Absolute paths as given; relative ones under the cache (the default models)."""
+  return path if os.path.isabs(path) else os.path.join(checkpoint.cache_dir(), path)
+
+
+def ensure_default_models(cfg: TrainConfig) -> None:
+  """Trains the built-in defaults into the cache on first use (``python -m
+  spec_rl_jax.sft``), so the no-argument run works on a fresh machine."""
+  wanted = [cfg.policy.path]
+  if cfg.drafter.num_draft_tokens and cfg.drafter.proposer == "draft_model":
+    wanted.append(cfg.drafter.path)
+  missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
+  if missing:
+    print(f"default models {missing} not in {checkpoint.cache_dir()}: training them first"
+          " (python -m spec_rl_jax.sft, a few minutes on CPU)", flush=True)
+    sft.produce([t for t in sft.TARGETS if t in missing], {})
+
+
+def _draft_model(cfg: DrafterConfig, tokenizer: Tokenizer) -> tuple[Proposer, Decoder]:
+  draft, draft_tok = checkpoint.load_model(resolve_path(cfg.path))
+  return make_proposer("draft_model", model=draft, tokenizer=draft_tok,
+                       policy_tokenizer=tokenizer), draft
+
+
+def _ngram(cfg: DrafterConfig, tokenizer: Tokenizer) -> tuple[Proposer, None]:
+  del tokenizer
+  return make_proposer("ngram", max_ngram=cfg.max_ngram), None
+
+
+# drafter config, policy tokenizer -> (proposer, draft model or None if model-free)
+PROPOSERS: dict[str, Callable[[DrafterConfig, Tokenizer], tuple[Proposer, Decoder | None]]] = {
+    "draft_model": _draft_model,
+    "ngram": _ngram,
+}
+
+
+def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:
+  r, K = cfg.rollout, cfg.drafter.num_draft_tokens
+  need = r.max_prompt_len + r.max_new_tokens + K + 1
+  return EngineConfig(
+      num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
+      max_seq_len=-(-need // r.page_size) * r.page_size, max_new_tokens=r.max_new_tokens,
+      round_budget=r.round_budget, eos_ids=tuple(eos_ids), seed=r.seed, num_draft_tokens=K,
+      sampling=SamplingParams(r.temperature, r.top_k, r.top_p))
+
+
+@dataclasses.dataclass
+class Counters:
+  """Run counters that checkpoint with the state."""
+
+  nan_streak: int = 0
+  nan_skipped: int = 0
+  long_prompts_skipped: int = 0
+  draft_synced_step: int = 0  # the policy step the draft weights were last synced to
+
+
+class Trainer:
+  """Owns the policy, the learner, the engine, the data stream and the run directory."""
+
+  def __init__(self, cfg: TrainConfig, resume: bool = False):
+    self.cfg = cfg
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    self.ckpt = checkpoint.TrainCheckpointer(cfg.run_dir, cfg.checkpoint.max_to_keep)
+    if self.ckpt.latest_step() is not None and not resume:
+      raise FileExistsError(f"{cfg.run_dir} already holds checkpoints: pass --resume to"
+                            " continue it, or choose another run_dir")
+    dump_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    r, G = cfg.rollout, cfg.rollout.group_size
+    self.N = r.prompts_per_step * G
+    self.T = r.max_prompt_len + r.max_new_tokens
+    self.mesh = sharding.make_mesh(cfg.policy.mesh)
+    ensure_default_models(cfg)
+    policy, tokenizer = checkpoint.load_model(resolve_path(cfg.policy.path))
+    if tokenizer is None:
+      raise ValueError(f"{cfg.policy.path} has no tokenizer")
+    nnx.update(policy, sharding.device_put_state(nnx.state(policy), self.mesh))
+    self.tokenizer = tokenizer
+    self.learner = Learner(policy, cfg.learner, r.max_new_tokens)
+    self.learner.check_batch_size(self.N)
+    K = cfg.drafter.num_draft_tokens
+    self.proposer, self.draft = (PROPOSERS[cfg.drafter.proposer](cfg.drafter, tokenizer)
+                                 if K else (None, None))
+    self.engine = RolloutEngine(policy, engine_config(cfg, tokenizer.eos_ids), tokenizer,
+                                self.proposer)
+    self.sources = [data.Source.parse(s) for s in cfg.data.sources]
+    self.batches = iter(prompt_stream(self.sources, tokenizer, r.prompts_per_step,
+                                      cfg.data.seed))
+    self.counters = Counters()
+    self.step = 0
+    if resume and self.ckpt.latest_step() is not None:
+      self._restore()
+
+  # ------------------------------------------------------------------ checkpoints
+
+  def _ckpt_state(self) -> dict:
+    state = {**self.learner.state,
+             "counters": {k: np.int64(v) for k, v in dataclasses.asdict(self.counters).items()}}
+    if self.draft is not None:
+      state["draft"] = nnx.to_pure_dict(self.proposer.params())
+    return state
+
+  def _meta(self) -> dict:
+    resumable = {k: v for k, v in to_dict(self.cfg).items()
+                 if k not in ("run_dir", "steps", "progress")}
+    return {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
+                                         "next_request_id": self.step * self.N},
+            "model": checkpoint.config_to_json(self.learner.model().cfg)}
+
+  def save(self) -> None:
+    self.ckpt.save(self.step, self._ckpt_state(), self.batches, self._meta())
+
+  def _restore(self) -> None:
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            self._ckpt_state())
+    state, meta = self.ckpt.restore(abstract, self.batches)
+    if meta["config"] != json.loads(json.dumps(self._meta()["config"])):
+      raise ValueError(f"{self.cfg.run_dir} holds a run with a different config (only"
+                       " run_dir, steps and progress may change on --resume)")
+    self.step = int(self.ckpt.latest_step())
+    self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
+    if "draft" in state:
+      draft_graphdef = nnx.graphdef(self.draft)
+      self.proposer.update_params(nnx.merge(draft_graphdef, state.pop("draft")))
+    self.learner.state = state
+    self.engine.update_params(self.learner.model())
+
+  # ------------------------------------------------------------------ one step
+
+  def _prompts(self) -> tuple[list[list[int]], list[dict]]:
+    """The next batch's prompts that fit ``max_prompt_len`` (others: skip or error)."""
+    batch = next(self.batches)
+    limit, keep = self.cfg.rollout.max_prompt_len, []
+    for ids, record in zip(batch["prompt_ids"], batch["records"]):
+      if len(ids) <= limit:
+        keep.append((ids, record))
+        continue
+      if self.cfg.rollout.on_long_prompt == "error":
+        raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_len="
+                         f"{limit}: {record['prompt'][:80]!r} (set rollout.on_long_prompt"
+                         "=skip to drop such prompts)")
+      self.counters.long_prompts_skipped += 1
+      logging.warning("skipping a prompt of %d tokens (rollout.max_prompt_len=%d); %d"
+                      " skipped so far", len(ids), limit, self.counters.long_prompts_skipped)
+    if not keep:
+      raise ValueError(f"every prompt of step {self.step}'s batch exceeds"
+                       f" rollout.max_prompt_len={limit}")
+    return [k[0] for k in keep], [k[1] for k in keep]
+
+  def train_step(self, bar: tqdm) -> dict:
+    G, t = self.cfg.rollout.group_size, self.step
+    bar.set_description(f"step {t + 1} rollout")
+    prompts, records = self._prompts()
+    B = self.cfg.rollout.prompts_per_step
+    requests = [Request(p, request_id=(t * B + i) * G + g, group_id=t * B + i)
+                for i, p in enumerate(prompts) for g in range(G)]
+    t0 = time.perf_counter()
+    result = self.engine.generate(requests)
+    t1 = time.perf_counter()
+    bar.set_description(f"step {t + 1} reward")
+    texts = [self.tokenizer.decode(r.tokens) for r in result.responses]
+    rewards = np.asarray(batch_rewards([rec for rec in records for _ in range(G)], texts,
+                                       self.cfg.data.default_reward), np.float32)
+    adv = compute_advantages(self.cfg.learner.advantage, rewards.reshape(-1, G),
+                             self.cfg.learner.adv_eps)
+    t2 = time.perf_counter()
+    bar.set_description(f"step {t + 1} update")
+    batch = pack_rollouts([r.prompt for r in result.responses],
+                          [r.tokens for r in result.responses],
+                          [r.policy_logprobs for r in result.responses], adv.reshape(-1),
+                          self.T, self.tokenizer.pad_id)
+    learn = self.learner.update(_pad_rows(batch, self.N))
+    self.engine.update_params(self.learner.model())
+    jax.block_until_ready(self.learner.state["params"])
+    t3 = time.perf_counter()
+    self._check_finite(learn)
+    self.step += 1
+    lengths = np.asarray([len(r.tokens) for r in result.responses])
+    m = result.metrics
+    return {
+        "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
+        "rollout/accuracy": float((rewards >= 1.0).mean()),
+        "rollout/response_len": float(lengths.mean()),
+        "rollout/truncated_frac": float(np.mean([r.finish_reason == "length"
+                                                 for r in result.responses])),
+        "rollout/tokens_per_s": m["tokens_per_s"],
+        "spec/acceptance_length": m["acceptance_length"],
+        "spec/acceptance_at": m["acceptance_at"],
+        "spec/draft_lag_steps": (self.step - self.counters.draft_synced_step
+                                 if self.draft is not None else 0),
+        **{f"train/{k}": v for k, v in learn.items()},
+        "train/nan_skipped_total": self.counters.nan_skipped,
+        "data/long_prompts_skipped": self.counters.long_prompts_skipped,
+        "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+        "time/step_s": t3 - t0, "time/rollout_frac": (t1 - t0) / (t3 - t0),
+    }
+
+  def _check_finite(self, learn: dict) -> None:
+    if not learn["skipped"]:
+      self.counters.nan_streak = 0
+      return
+    self.counters.nan_streak += 1
+    self.counters.nan_skipped += 1
+    limit = self.cfg.learner.max_nan_streak
+    logging.warning("step %d: non-finite loss or gradient, update skipped (%d in a row)",
+                    self.step + 1, self.counters.nan_streak)
+    if self.counters.nan_streak >= limit:
+      raise NonFiniteLossError(
+          f"stopping at step {self.step + 1}: {self.counters.nan_streak} non-finite"
+          f" updates in a row (learner.max_nan_streak={limit}); the parameters are those"
+          " of the last finite update. Lower learner.lr or check the rewards and data.")
+
+  # ------------------------------------------------------------------ the run
+
+  def evaluate(self) -> dict:
+    d = self.cfg.data
+    acc = evaluation.evaluate(self.learner.model(), self.tokenizer, self.sources,
+                              n=d.eval_n, k=d.eval_k, seed=d.seed)
+    return {f"eval/{task}/{k}": v for task, res in acc.items() for k, v in res.items()
+            if k != "n"}
+
+  def run(self) -> dict:
+    """Trains to ``cfg.steps``; returns ``{"eval_before", "eval_after", "steps"}``."""
+    cfg = self.cfg
+    log = obs.MetricsLogger(cfg.run_dir)
+    summary = {"resumed_from": self.step}
+    if cfg.data.eval_n and self.step == 0:
+      summary["eval_before"] = self.evaluate()
+      log.log(0, summary["eval_before"])
+    bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress)
+    while self.step < cfg.steps:
+      metrics = self.train_step(bar)
+      if cfg.data.eval_n and cfg.data.eval_every and self.step % cfg.data.eval_every == 0 \
+          and self.step < cfg.steps:
+        metrics.update(self.evaluate())
+      log.log(self.step, metrics)
+      bar.update(1)
+      bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
+                      acc_len=f"{metrics['spec/acceptance_length']:.2f}",
+                      gap=f"{metrics['train/logprob_gap']:.1e}")
+      if self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps:
+        self.save()
+    bar.close()
+    if cfg.data.eval_n:
+      summary["eval_after"] = self.evaluate()
+      log.log(self.step, summary["eval_after"])
+    self.ckpt.wait()
+    log.close()
+    summary["plots"] = obs.plot_curves(cfg.run_dir)
+    summary["steps"] = self.step
+    return summary
+
+  def close(self) -> None:
+    self.ckpt.close()
+
+
+def _pad_rows(batch: dict[str, np.ndarray], N: int) -> dict[str, np.ndarray]:
+  """Pads a packed batch to ``N`` rows (skipped prompts: rows without response tokens,
+  so they carry no loss weight and the update keeps one compiled shape)."""
+  n = batch["adv"].shape[0]
+  return {k: np.concatenate([v, np.zeros((N - n, *v.shape[1:]), v.dtype)])
+          for k, v in batch.items()}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--config", default=None, help="a YAML recipe (configs/*.yaml)")
+  parser.add_argument("--resume", action="store_true",
+                      help="continue the run in run_dir from its last checkpoint")
+  parser.add_argument("overrides", nargs="*", help="section.field=value")
+  args = parser.parse_args(argv)
+  cfg = load_config(args.config, args.overrides)
+  use_fast_cpu_flags()
+  if cfg.policy.distributed:
+    jax.distributed.initialize()
+  if not cfg.run_dir:
+    if args.resume:
+      raise ValueError("--resume needs run_dir=<the run's directory>")
+    cfg = dataclasses.replace(cfg, run_dir=os.path.join("runs",
+                                                        time.strftime("%Y%m%d-%H%M%S")))
+  trainer = Trainer(cfg, resume=args.resume)
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  print(f"run directory: {cfg.run_dir}")
+  for phase in ("eval_before", "eval_after"):
+    if phase in summary:
+      print(phase + ": " + ", ".join(f"{k[5:]}={v:.3f}" for k, v in summary[phase].items()))
+  return summary
+
+
+if __name__ == "__main__":
+  main()

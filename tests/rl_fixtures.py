@@ -1,0 +1,32 @@
+"""Tiny policy and draft HF checkpoints (task tokenizer) for trainer tests."""
+
+import os
+
+from spec_rl_jax.models import hf_io
+from spec_rl_jax.models.config import get_preset
+from spec_rl_jax.models.transformer import init_decoder
+from spec_rl_jax.tasks.bpe import train_tokenizer, task_corpus
+from spec_rl_jax.tasks import get_task
+
+
+def write_tiny_models(root: str) -> dict[str, str]:
+  """``{"policy": dir, "draft": dir}``: random tiny-qwen3 models, vocab 512."""
+  tokenizer = train_tokenizer(task_corpus([get_task("arithmetic")], n_per_task=300))
+  cfg = get_preset("tiny-qwen3", vocab_size=512)
+  paths = {}
+  for name, seed in (("policy", 0), ("draft", 1)):
+    paths[name] = os.path.join(root, name)
+    hf_io.save_hf_checkpoint(init_decoder(cfg, seed=seed), paths[name], tokenizer)
+  return paths
+
+
+def tiny_overrides(paths: dict[str, str], run_dir: str, **extra) -> list[str]:
+  """Dotted overrides for a seconds-long run on the tiny models."""
+  base = {"run_dir": run_dir, "steps": 2, "progress": False,
+          "policy.path": paths["policy"], "drafter.path": paths["draft"],
+          "rollout.prompts_per_step": 2, "rollout.group_size": 4,
+          "rollout.max_prompt_len": 32, "rollout.max_new_tokens": 12,
+          "rollout.num_slots": 8, "rollout.num_pages": 64, "rollout.round_budget": 16,
+          "learner.micro_batch_size": 4, "learner.lr": 1e-3, "data.eval_n": 0,
+          "checkpoint.every": 1, **extra}
+  return [f"{k}={v}" for k, v in base.items()]

@@ -1,0 +1,63 @@
+"""The config schema: recipes, dotted overrides, rejected keys and values."""
+
+import glob
+import os
+
+import pytest
+
+from spec_rl_jax.config import (ConfigError, TrainConfig, dump_config, load_config,
+                                to_dict)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_default_recipe_is_the_schema_default():
+  assert load_config(os.path.join(ROOT, "configs", "default.yaml")) == TrainConfig()
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))))
+def test_every_recipe_loads(path):
+  cfg = load_config(path)
+  r, lr = cfg.rollout, cfg.learner
+  assert (r.prompts_per_step * r.group_size) % (lr.num_minibatches * lr.micro_batch_size) == 0
+
+
+def test_dotted_overrides_are_typed():
+  cfg = load_config(None, ["learner.lr=1e-5", "rollout.group_size=4", "progress=false",
+                           "data.sources=[task:countdown, 'jsonl:/x.jsonl']",
+                           "policy.mesh=[1, 2, 4]"])
+  assert cfg.learner.lr == 1e-5 and isinstance(cfg.learner.lr, float)
+  assert cfg.rollout.group_size == 4 and cfg.progress is False
+  assert cfg.data.sources == ("task:countdown", "jsonl:/x.jsonl")
+  assert cfg.policy.mesh == (1, 2, 4)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("learner.lrate=1", r"learner\.'lrate' \(did you mean 'lr'\?\); valid keys: .*micro_batch_size"),
+    ("rollout.group=4", r"did you mean 'group_size'"),
+    ("optimizer.lr=1", r"unknown config key 'optimizer'.*learner"),
+    ("rollout.group_size=four", r"rollout.group_size must be int"),
+    ("rollout.group_size=true", r"rollout.group_size must be int"),
+    ("learner.advantage=ppo", r"not one of \['dr_grpo', 'grpo', 'grpo_no_std', 'rloo'\]"),
+    ("learner.aggregation=sum", r"seq_sum_norm"),
+    ("rollout.on_long_prompt=truncate", r"\['error', 'skip'\]"),
+    ("learner=3", r"learner must be a mapping"),
+    ("steps", r"expected section.field=value"),
+])
+def test_bad_overrides(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, [override])
+
+
+def test_unknown_key_in_recipe_file(tmp_path):
+  path = tmp_path / "x.yaml"
+  path.write_text("learner:\n  lr: 1.0e-5\n  clip_eps: 0.2\n")
+  with pytest.raises(ConfigError, match=r"learner\.'clip_eps'.*clip_eps_high"):
+    load_config(str(path))
+
+
+def test_dump_roundtrip(tmp_path):
+  cfg = load_config(None, ["learner.kl_coef=0.05", "drafter.num_draft_tokens=0"])
+  dump_config(cfg, str(tmp_path / "c.yaml"))
+  assert load_config(str(tmp_path / "c.yaml")) == cfg
+  assert to_dict(cfg)["learner"]["kl_coef"] == 0.05
