@@ -13,7 +13,7 @@ run and restores the exact future batches):
 
   * `sft_batches`: record → prompt ids + response ids (+EOS) → padded batches (a few
     shapes) with a loss mask on the response,
-  * `prompt_batches`: record → prompt ids, batched as lists for the rollout engine.
+  * RL prompt streams live in `spec_rl_jax.rl.prompts` (chat templates applied).
 
 Finite sources are shuffled (seeded, reshuffled each epoch) and repeated; generator
 sources are already random. Sources are mixed by weight.
@@ -248,16 +248,3 @@ def sft_batches(sources: Sequence[Source], tokenizer: Tokenizer, batch_size: int
           .batch(batch_size, drop_remainder=True,
                  batch_fn=lambda ex: collate_sft(ex, tokenizer.pad_id, max_len,
                                                  pad_multiple)))
-
-
-def prompt_batches(sources: Sequence[Source], tokenizer: Tokenizer, batch_size: int, *,
-                   seed: int = 0, split: str = "train",
-                   template: str = PROMPT_TEMPLATE) -> grain.IterDataset:
-  """Infinite batches ``{"prompt_ids": list[list[int]], "records": list[Record]}``."""
-  encode = SFTEncoder(tokenizer, template)
-  return (mixed_records(sources, split, seed)
-          .map(lambda r: {"prompt_ids": encode.prompt_ids(r), "record": r})
-          .to_iter_dataset()
-          .batch(batch_size, drop_remainder=True,
-                 batch_fn=lambda ex: {"prompt_ids": [e["prompt_ids"] for e in ex],
-                                      "records": [e["record"] for e in ex]}))

@@ -6,7 +6,8 @@ import logging
 import numpy as np
 import pytest
 
-from spec_rl_jax.data import (JsonlError, Source, SFTEncoder, prompt_batches, read_jsonl,
+from spec_rl_jax.rl.prompts import prompt_stream
+from spec_rl_jax.data import (JsonlError, Source, SFTEncoder, read_jsonl,
                               sft_batches)
 from spec_rl_jax.tasks import get_task
 from spec_rl_jax.tasks.base import export_jsonl
@@ -95,16 +96,16 @@ def test_mixture_weights_and_padding_buckets(tok, tmp_path):
   path = tmp_path / "a.jsonl"
   export_jsonl(get_task("countdown"), str(path), "train", 30)
   src = [Source.parse("task:arithmetic@3"), Source.parse(f"jsonl:{path}@1")]
-  it = iter(prompt_batches(src, tok, batch_size=40, seed=0))
+  it = iter(prompt_stream(src, tok, batch_size=40, seed=0))
   tasks = [r.get("task") for r in next(it)["records"]]
   assert tasks.count("arithmetic") == 30 and tasks.count("countdown") == 10
   it = iter(sft_batches(src, tok, batch_size=4, max_len=64, seed=0, pad_multiple=16))
   assert all(next(it)["tokens"].shape[1] % 16 == 0 for _ in range(5))
 
 
-def test_prompt_batches_hold_prompt_ids_and_records(tok):
+def test_prompt_stream_holds_prompt_ids_and_records(tok):
   src = [Source.parse("task:countdown")]
-  batch = next(iter(prompt_batches(src, tok, batch_size=3, seed=0)))
+  batch = next(iter(prompt_stream(src, tok, batch_size=3, seed=0)))
   assert len(batch["prompt_ids"]) == len(batch["records"]) == 3
   for ids, r in zip(batch["prompt_ids"], batch["records"]):
     assert tok.decode(ids) == r["prompt"] + "\n"
