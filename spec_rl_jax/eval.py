@@ -8,7 +8,7 @@ policy's own sampled responses, the per-token speculative acceptance probability
 ``α = E[Σ_v min(p_v, q_v)]`` at temperature 1 and the greedy agreement
 ``E[argmax p == argmax q]``.
 
-Generation goes through `rollout`, the one function to swap for a faster engine.
+Generation goes through `rollout`: the rollout engine, as in RL.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from flax import nnx
 
 from spec_rl_jax import checkpoint, data
 from spec_rl_jax.models.attention import NoCache
-from spec_rl_jax.models.generate import generate
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import rewards
+from spec_rl_jax.rollout.engine import RolloutEngine
+from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
 
 # Shape legend: B batch, T time, V vocab.
@@ -39,17 +40,17 @@ from spec_rl_jax.sampling import SamplingParams
 def rollout(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
             eos_ids: Sequence[int], params: SamplingParams, seed: int,
             batch_size: int = 256) -> list[list[int]]:
-  """Response ids per prompt (EOS included when emitted), in fixed-size chunks so
-  every chunk reuses one compiled program."""
-  out = []
-  for start in range(0, len(prompts), batch_size):
-    chunk = list(prompts[start:start + batch_size])
-    n = len(chunk)
-    chunk += [chunk[-1]] * (min(batch_size, len(prompts)) - n)
-    gen = generate(model, chunk, max_new_tokens, eos_ids=eos_ids, params=params,
-                   seed=seed + start)
-    out.extend(gen.tokens[:n])
-  return out
+  """Response ids per prompt (EOS included when emitted), through the rollout engine
+  (``batch_size`` slots, continuous batching)."""
+  page_size = 16
+  max_seq = -(-(max(map(len, prompts)) + max_new_tokens) // page_size) * page_size
+  slots = min(batch_size, len(prompts))
+  engine = RolloutEngine(model, EngineConfig(
+      num_slots=slots, page_size=page_size, num_pages=slots * max_seq // page_size,
+      max_seq_len=max_seq + page_size, max_new_tokens=max_new_tokens, sampling=params,
+      eos_ids=tuple(eos_ids), seed=seed))
+  result = engine.generate([Request(list(p), i) for i, p in enumerate(prompts)])
+  return [r.tokens for r in result.responses]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
