@@ -271,6 +271,18 @@ class RolloutEngine:
       raise ValueError("update_params needs a model with the engine's ModelConfig")
     self._params = nnx.state(model)
 
+  def memory_state(self) -> dict:
+    """The per-prompt rollout memory (n-gram references) as JSON-able lists, newest
+    first, for checkpoints: ``{"prompts": [...], "rollouts": [[seq, ...], ...]}``."""
+    prompts = list(self._memory)
+    return {"prompts": [list(p) for p in prompts],
+            "rollouts": [[list(s) for s in self._memory[p]] for p in prompts]}
+
+  def load_memory_state(self, memory: dict) -> None:
+    """Restores what `memory_state` returned (replaces the current memory)."""
+    self._memory = {tuple(p): collections.deque((list(s) for s in seqs), maxlen=4)
+                    for p, seqs in zip(memory["prompts"], memory["rollouts"])}
+
   def _bucket_len(self, n: int) -> int:
     b = self.config.min_prefill_len
     while b < n:
