@@ -10,6 +10,10 @@ Old-policy logprobs ``log π_old`` are the rollout's (the target's verification
 logprobs); the trainer's recomputed ``log π_θ`` on the first mini-batch (same params)
 gives the rollout/trainer logprob gap, logged every step.
 
+The state lives on the policy's mesh: parameters and Adam moments keep the policy's
+shardings (`sharding.RULES`), micro-batch rows are split over ``data`` × ``fsdp``, and
+the update runs under that mesh (the model's activation constraints apply).
+
 A non-finite loss or gradient leaves the state unchanged (the step is skipped inside
 the jitted update) and is reported as ``skipped``.
 
@@ -69,8 +73,10 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
 
 
 def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
-  """AdamW behind global-norm clipping; linear warmup to a constant ``lr``."""
-  schedule = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+  """AdamW behind global-norm clipping; linear warmup to a constant ``lr`` (update
+  ``u`` = 0, 1, ... uses ``lr · min((u + 1) / warmup_steps, 1)``: the first one learns)."""
+  warmup = max(cfg.warmup_steps, 1)
+  schedule = lambda count: cfg.lr * jnp.minimum((count + 1) / warmup, 1.0)  # noqa: E731
   return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
                      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2,
                                  weight_decay=cfg.weight_decay))
@@ -144,15 +150,21 @@ class Learner:
     self.graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     self.tx = make_optimizer(cfg)
-    self.state = {"params": params, "opt": jax.jit(self.tx.init)(params)}
+    leaf = jax.tree.leaves(params)[0]
+    self.mesh = mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
+                        else sharding.make_mesh((1, 1, 1)))
+    # Adam's moments are laid out like the parameters they track; counters replicated.
+    opt_shardings = optax.tree_map_params(
+        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, params),
+        jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(mesh, P()))
+    self.state = {"params": params,
+                  "opt": jax.jit(self.tx.init, out_shardings=opt_shardings)(params)}
     # β > 0: a frozen copy of the initial policy (a separate buffer: state is donated).
     self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
     self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef)
     # The state keeps its shardings across steps (donated in place, one compile; the
     # engine's copy of the weights keeps its compiled programs too).
-    leaf = jax.tree.leaves(params)[0]
-    mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
-            else sharding.make_mesh((1, 1, 1)))
     state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
     self._update = jax.jit(
         functools.partial(minibatch_update, graphdef=self.graphdef, tx=self.tx,
@@ -184,6 +196,13 @@ class Learner:
       out.append({key: v.reshape(len(part) // m, m, *v.shape[1:]) for key, v in mb.items()})
     return out
 
+  def _place(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """``[n, m, ...]`` micro-batches with their ``m`` rows split over the mesh's batch
+    axes (``data`` × ``fsdp``, where ``m`` divides; else replicated)."""
+    shape = dict(self.mesh.shape)
+    return {k: jax.device_put(v, NamedSharding(self.mesh, sharding.logical_to_spec(
+        (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in mb.items()}
+
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """One step on a packed global batch (`pack_rollouts`); returns its metrics.
 
@@ -192,7 +211,8 @@ class Learner:
     """
     metrics = []
     for mb in self._minibatches(batch):
-      self.state, m = self._update(self.state, self.ref_params, mb)
+      with jax.set_mesh(self.mesh):
+        self.state, m = self._update(self.state, self.ref_params, self._place(mb))
       metrics.append(jax.device_get(m))
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
     out["logprob_gap"] = float(metrics[0]["logprob_gap"])
