@@ -152,7 +152,8 @@ def test_pallas_kernel_in_the_engine_matches_xla(monkeypatch):
   from spec_rl_jax.models import attention
   monkeypatch.setitem(attention._IMPLS, "pallas", attention.AttentionImpl(
       dense=attention.dot_product_attention,
-      paged=functools.partial(kernels_pallas.verify_attention, impl="pallas", interpret=True)))
+      paged=functools.partial(kernels_pallas.verify_attention, impl="pallas", interpret=True),
+      sparse=functools.partial(kernels_pallas.sparse_attention, impl="pallas", interpret=True)))
   cfg = get_preset("tiny-qwen3")
   reqs = [Request(p, i) for i, p in enumerate(_prompts(3, 128, seed=8, hi=20))]
   ec = EngineConfig(num_slots=2, page_size=8, num_pages=32, max_seq_len=64, max_new_tokens=6,

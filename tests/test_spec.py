@@ -236,7 +236,8 @@ def test_ngram_proposals_by_hand():
       last=jnp.asarray(hist[np.arange(4), [7, 3, 6, 2]]), length=jnp.asarray([7, 3, 6, 2]),
       active=jnp.ones(4, bool), rid=jnp.arange(4), group=jnp.asarray([0, 1, 1, 2]),
       history=jnp.asarray(hist), reference=jnp.asarray(ref),
-      page_table=jnp.zeros((4, 1), jnp.int32), key=jax.random.key(0))
+      page_table=jnp.zeros((4, 1), jnp.int32), key=jax.random.key(0), target_params=None,
+      cache=None)
   drafts, q, _ = make_proposer("ngram", max_ngram=3).propose(None, None, ctx, 3, GREEDY)
   assert q is None
   assert drafts[0].tolist() == [9, 8, 1]

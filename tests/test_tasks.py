@@ -154,3 +154,17 @@ def test_export_jsonl_uses_the_prompt_answer_schema(task, tmp_path):
   lines = [json.loads(x) for x in path.read_text().splitlines()]
   assert lines == unique_records(task, "test", 1, 20)
   assert all(set(r) == {"prompt", "answer", "task"} and "####" in r["answer"] for r in lines)
+
+
+def test_counting_is_long_and_exact():
+  from spec_rl_jax.tasks.counting import Counting
+  task = Counting(min_span=100, max_span=250)
+  for r in unique_records(task, "train", 0, 20):
+    nums = r["answer"].split("####")[0].split()
+    assert 100 <= len(nums) <= 250
+    assert [int(x) for x in nums] == list(range(int(nums[0]), int(nums[-1]) + 1))
+    skipped = " ".join(nums[:50] + nums[51:]) + f" #### {nums[-1]}"
+    assert task.verify(skipped, r["answer"]) == 0.0
+    assert task.verify(" ".join(nums) + f"\n#### {nums[-1]}", r["answer"]) == 1.0
+  with pytest.raises(ValueError, match="min_span"):
+    Counting(min_span=5, max_span=3)

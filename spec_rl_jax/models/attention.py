@@ -66,13 +66,16 @@ class AttentionImpl:
   dense: Callable[..., jax.Array]  # (q, k, v, mask) -> out
   # (q [S,T,H,Dh], k_pages [Hk,P,Ps,Dh], v_pages, page_table [S,M], kv_lens [S]) -> out
   paged: Callable[..., jax.Array]
+  # paged arguments + (sel_idx, sel_valid [S,Hk,B]) -> (out, m, l): selected pages only
+  sparse: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 # "pallas": Mosaic kernels on TPU; elsewhere kernels_pallas falls back to the reference
 # (logged once). Dense (cache-free) attention has no kernel: training uses XLA's.
 _IMPLS: dict[str, AttentionImpl] = {
     name: AttentionImpl(dense=dot_product_attention,
-                        paged=functools.partial(kernels_pallas.verify_attention, impl=name))
+                        paged=functools.partial(kernels_pallas.verify_attention, impl=name),
+                        sparse=functools.partial(kernels_pallas.sparse_attention, impl=name))
     for name in ("xla", "pallas")
 }
 

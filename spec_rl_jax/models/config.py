@@ -110,6 +110,16 @@ PRESETS: dict[str, ModelConfig] = {
         arch="qwen3", vocab_size=512, embed_dim=192, mlp_dim=576, num_layers=3,
         num_heads=3, num_kv_heads=1, head_dim=64, rope_theta=10_000.0, qk_norm=True,
         tie_embeddings=True, max_position_embeddings=512),
+    # The long-response workload (tasks/counting.py, bench/sparse.py): small weights,
+    # 4k positions, so attention over the KV cache dominates decode time.
+    "long-policy": ModelConfig(
+        arch="qwen3", vocab_size=512, embed_dim=192, mlp_dim=512, num_layers=4,
+        num_heads=6, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, qk_norm=True,
+        tie_embeddings=True, max_position_embeddings=4096),
+    "long-draft": ModelConfig(
+        arch="qwen3", vocab_size=512, embed_dim=128, mlp_dim=256, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=10_000.0, qk_norm=True,
+        tie_embeddings=True, max_position_embeddings=4096),
     # Published checkpoints.
     "qwen3-0.6b": ModelConfig(
         arch="qwen3", vocab_size=151_936, embed_dim=1024, mlp_dim=3072, num_layers=28,

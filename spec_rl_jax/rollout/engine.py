@@ -13,12 +13,15 @@ Device side (jitted, state donated so the KV pools update in place):
     drafts (none when ``K = 0``), verifies ``K + 1`` positions in one target forward
     and runs the exact rejection sampler (spec/verifier.py), emitting 1..K+1 tokens per
     slot. Rejected positions are rolled back by length bookkeeping only. The loop
-    returns to the host when a slot finishes and requests are waiting, when every slot
-    is idle, or after ``round_budget`` rounds.
-Host side (`RolloutEngine.generate`): a FIFO queue, page allocation against the KV
-budget (admission waits when pages run short), refilling free slots between device
-calls, collecting finished responses, and the memory of earlier rollouts per prompt
-(n-gram references).
+    returns to the host when a slot finishes and requests are waiting, when a slot has
+    no KV room for its next round, when every slot is idle, or after ``round_budget``
+    rounds.
+  * ``_take_out`` / ``_put_back`` / ``_recompute_insert``: preemption — a slot's row and
+    pages to the host, and back into fresh pages (or re-prefilled).
+Host side (`RolloutEngine.generate` with rollout/scheduler.py): a FIFO queue, pages
+taken on demand under the KV budget, preemption and restore when it runs short,
+refilling free slots between device calls, collecting finished responses, and the
+memory of earlier rollouts per prompt (n-gram references).
 
 Sampling randomness is keyed by ``(seed, request_id, position)``, so a response does not
 depend on the slot or the batch it ran in (callers give fresh request ids, or a new
@@ -40,7 +43,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spec_rl_jax import sharding
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.transformer import Decoder
-from spec_rl_jax.rollout.paged_cache import PagedKVCache, PagePool
+from spec_rl_jax.rollout.paged_cache import (PagedKVCache, PagePool, gather_pages, page_bytes,
+                                              scatter_pages)
+from spec_rl_jax.rollout.scheduler import SCHEDULER_STATS, Scheduler, SeqState
 from spec_rl_jax.rollout.types import (FINISH_REASONS, EngineConfig, Request, Response,
                                        RolloutResult)
 from spec_rl_jax.spec.proposers.base import DraftContext, Proposer
@@ -63,6 +68,7 @@ class SlotState:
   num_gen: jax.Array  # int32: tokens generated so far
   max_new: jax.Array  # int32: this request's cap
   finish: jax.Array  # int32: RUNNING | EOS | LENGTH
+  capacity: jax.Array  # int32: KV positions the slot's pages hold (set by the host)
   history: jax.Array  # [S, Lh] int32: prompt + generated tokens by position
   reference: jax.Array  # [S, R] int32: earlier rollouts of the prompt, -1 padded
   out_tok: jax.Array  # [S, N] int32
@@ -70,6 +76,19 @@ class SlotState:
   out_policy_lp: jax.Array  # [S, N] fp32, raw-policy logprobs
   counters: jax.Array  # [3] int32: slot-rounds, drafted tokens, accepted tokens
   accepted_at: jax.Array  # [K] int32: accepted count per draft position
+
+
+# The per-slot fields a preempted sequence takes with it (``capacity`` is the host's).
+ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new", "finish",
+              "history", "reference", "out_tok", "out_lp", "out_policy_lp")
+
+
+def _pow2(n: int) -> int:
+  """The smallest power of two ``>= n`` (shape buckets keep compiles few)."""
+  b = 1
+  while b < n:
+    b *= 2
+  return b
 
 
 def round_keys(key: jax.Array, rid: jax.Array, pos: jax.Array) -> jax.Array:
@@ -111,8 +130,14 @@ class RolloutEngine:
     self._key = jax.random.key(config.seed)
     # Fixed output shardings: the state round-trips through both functions unchanged,
     # so neither recompiles after the first call.
+    self._state_sharding = state_sharding
     self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=2,
                                out_shardings=state_sharding)
+    self._recompute_fn = jax.jit(self._recompute_insert, donate_argnums=2,
+                                 out_shardings=state_sharding)
+    self._take_out_fn = jax.jit(self._take_out, donate_argnums=0)
+    self._put_back_fn = jax.jit(self._put_back, donate_argnums=0,
+                                out_shardings=state_sharding)
     self._decode_fn = jax.jit(self._decode, donate_argnums=2,
                               out_shardings=(state_sharding, NamedSharding(mesh, P())))
     self._draft_only = jax.jit(self._draft_phase)
@@ -135,6 +160,7 @@ class RolloutEngine:
         proposer=None if self.proposer is None else self.proposer.init_state(c),
         active=jnp.zeros((S,), bool), length=ints(), last=ints(), rid=ints(),
         group=jnp.full((S,), -1, jnp.int32), num_gen=ints(), max_new=ints(), finish=ints(),
+        capacity=ints(),
         history=ints(S, self.history_len), reference=jnp.full((S, c.reference_len), -1, jnp.int32),
         out_tok=ints(S, N), out_lp=jnp.zeros((S, N), jnp.float32),
         out_policy_lp=jnp.zeros((S, N), jnp.float32), counters=ints(3),
@@ -153,19 +179,32 @@ class RolloutEngine:
 
     return jax.tree.map(one, abstract)
 
-  def _prefill_insert(self, params, proposer_params, state: SlotState, key, slots, tokens,
-                      lens, pages, rids, groups, refs, max_new):
-    """Prefills ``tokens[n, T]`` (left-padded, real lengths ``lens[n]``) into ``slots[n]``.
-
-    Padding entries carry ``slots = S`` (dropped) and ``lens = 0`` (nothing written).
-    """
+  def _write_tokens(self, params, proposer_params, state: SlotState, tokens, lens, pages):
+    """Writes ``tokens[n, T]`` (left-padded, real lengths ``lens[n]``) into ``pages[n, M]``
+    of the policy's and the proposer's caches. Returns ``(logits of the last token
+    [n, 1, V], cache, proposer state)``; rows with ``lens = 0`` write nothing."""
     model = nnx.merge(self._graphdef, params)
     n, T = tokens.shape
     positions = lens[:, None] - T + jnp.arange(T)[None, :]  # pads < 0
     out = model(tokens, positions, cache=state.cache.replace(page_table=pages),
                 logits_at=jnp.full((n, 1), T - 1))
+    proposer_state = state.proposer
+    if self.proposer is not None:
+      proposer_state = self.proposer.prefill(proposer_params, proposer_state, tokens,
+                                             positions, pages)
+    return out.logits, out.cache.replace(page_table=state.cache.page_table), proposer_state
+
+  def _prefill_insert(self, params, proposer_params, state: SlotState, key, slots, tokens,
+                      lens, pages, rids, groups, refs, max_new):
+    """Prefills ``tokens[n, T]`` into ``slots[n]``, samples each first token.
+
+    Padding entries carry ``slots = S`` (dropped) and ``lens = 0`` (nothing written).
+    """
+    logits, cache, proposer_state = self._write_tokens(params, proposer_params, state,
+                                                       tokens, lens, pages)
+    n, T = tokens.shape
     first = verify(round_keys(key, rids, lens), jnp.zeros((n, 0), jnp.int32), None,
-                   out.logits, self.config.sampling)
+                   logits, self.config.sampling)
     tok = first.tokens[:, 0]
     eos = jnp.asarray(self.config.eos_ids, jnp.int32)
     finish = jnp.where(jnp.isin(tok, eos), EOS, jnp.where(max_new <= 1, LENGTH, RUNNING))
@@ -174,13 +213,8 @@ class RolloutEngine:
     hist = jnp.take_along_axis(tokens, jnp.clip(T - lens[:, None] + j, 0, T - 1), axis=1)
     hist = jnp.where(j < lens[:, None], hist, jnp.where(j == lens[:, None], tok[:, None], 0))
     put = lambda a, v: a.at[slots].set(v, mode="drop")
-    proposer_state = state.proposer
-    if self.proposer is not None:
-      proposer_state = self.proposer.prefill(proposer_params, proposer_state, tokens,
-                                             positions, pages)
     return state.replace(
-        cache=out.cache.replace(page_table=put(state.cache.page_table, pages)),
-        proposer=proposer_state,
+        cache=cache, proposer=proposer_state,
         active=put(state.active, finish == RUNNING), length=put(state.length, lens),
         last=put(state.last, tok), rid=put(state.rid, rids), group=put(state.group, groups),
         num_gen=put(state.num_gen, jnp.ones_like(lens)), max_new=put(state.max_new, max_new),
@@ -191,14 +225,37 @@ class RolloutEngine:
         out_policy_lp=state.out_policy_lp.at[slots, 0].set(first.policy_logprobs[:, 0],
                                                             mode="drop"))
 
-  def _draft_phase(self, proposer_params, st: SlotState, key):
+  def _take_out(self, state: SlotState, slot, ids):
+    """Preemption: ``(state with the slot idle, slot row, contents of pages ids [n])``."""
+    row = {f: getattr(state, f)[slot] for f in ROW_FIELDS}
+    pools = gather_pages((state.cache.layers, state.proposer), ids)
+    return state.replace(active=state.active.at[slot].set(False)), row, pools
+
+  def _set_row(self, state: SlotState, slot, row) -> SlotState:
+    return state.replace(**{f: getattr(state, f).at[slot].set(row[f]) for f in ROW_FIELDS})
+
+  def _put_back(self, state: SlotState, slot, ids, row, pools) -> SlotState:
+    """Restores an offloaded sequence: its pages into ``ids`` (pads dropped), its row."""
+    layers, proposer = scatter_pages((state.cache.layers, state.proposer), ids, pools)
+    return self._set_row(state.replace(cache=state.cache.replace(layers=layers),
+                                       proposer=proposer), slot, row)
+
+  def _recompute_insert(self, params, proposer_params, state: SlotState, slot, tokens, lens,
+                        pages, row) -> SlotState:
+    """Restores a dropped sequence: re-prefills its ``lens`` tokens, then its row."""
+    _, cache, proposer_state = self._write_tokens(params, proposer_params, state, tokens,
+                                                  lens, pages)
+    return self._set_row(state.replace(cache=cache, proposer=proposer_state), slot, row)
+
+  def _draft_phase(self, params, proposer_params, st: SlotState, key):
     """Proposes ``K`` drafts per slot: ``(drafts [S, K], logprobs [S, K, V] | None, state)``."""
     S, K = st.active.shape[0], self.config.num_draft_tokens
     if not K:
       return jnp.zeros((S, 0), jnp.int32), None, st.proposer
     ctx = DraftContext(last=st.last, length=st.length, active=st.active, rid=st.rid,
                        group=st.group, history=st.history, reference=st.reference,
-                       page_table=st.cache.page_table, key=key)
+                       page_table=st.cache.page_table, key=key, target_params=params,
+                       cache=st.cache)
     return self.proposer.propose(proposer_params, st.proposer, ctx, K, self.config.sampling)
 
   def _verify_phase(self, params, st: SlotState, drafts):
@@ -213,7 +270,7 @@ class RolloutEngine:
     S, N = st.out_tok.shape
     K = self.config.num_draft_tokens
     act = st.active
-    drafts, draft_lp, proposer_state = self._draft_phase(proposer_params, st, key)
+    drafts, draft_lp, proposer_state = self._draft_phase(params, proposer_params, st, key)
     out = self._verify_phase(params, st, drafts)
     v = verify(round_keys(key, st.rid, st.length + 1), drafts, draft_lp, out.logits,
                self.config.sampling)
@@ -251,9 +308,13 @@ class RolloutEngine:
               max_rounds):
     """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``."""
 
+    room = self.config.num_draft_tokens + 1  # KV positions one round writes
+
     def cond(carry):
       rounds, st, finished = carry
-      return (rounds < max_rounds) & jnp.any(st.active) & ~(stop_on_finish & finished)
+      needs_pages = jnp.any(st.active & (st.length + room > st.capacity))
+      return ((rounds < max_rounds) & jnp.any(st.active) & ~(stop_on_finish & finished)
+              & ~needs_pages)
 
     def body(carry):
       rounds, st, finished = carry
@@ -290,10 +351,7 @@ class RolloutEngine:
     return min(b, self.config.max_seq_len)
 
   def _bucket_batch(self, n: int) -> int:
-    b = 1
-    while b < n:
-      b *= 2
-    return min(b, self.config.num_slots)
+    return min(_pow2(n), self.config.num_slots)
 
   def _max_new(self, r: Request) -> int:
     return self.config.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
@@ -328,53 +386,121 @@ class RolloutEngine:
                          f" {self.model_config.vocab_size})")
 
   def generate(self, requests: Sequence[Request]) -> RolloutResult:
-    """Completes every request (continuous batching); responses in request order."""
+    """Completes every request (continuous batching under the KV page budget, with
+    preemption: rollout/scheduler.py); responses in request order."""
     self._validate(requests)
     t0 = time.perf_counter()
-    c, S = self.config, self.config.num_slots
+    c, K = self.config, self.config.num_draft_tokens
     before = self._device_counters()
     stats0 = collections.Counter(self.stats)
     # Sibling matching (ngram) must not see slots left over from an earlier call.
     group = self._state.group
     self._state = self._state.replace(group=jax.device_put(np.full(group.shape, -1, np.int32),
                                                            group.sharding))
-    queue = collections.deque(requests)
-    free_slots = list(range(S - 1, -1, -1))
-    running: dict[int, tuple[Request, list[int]]] = {}  # slot -> (request, pages)
+    sched = Scheduler(c.scheduler, self._pool, c.num_slots, K + 1, requests,
+                      lambda r: len(r.prompt) + self._max_new(r) + K)
     done: dict[int, Response] = {}
+    trace = []  # per device call: (rounds, busy slot fraction)
 
-    while queue or running:
+    while sched.busy():
+      for seq, mode in sched.plan_preemptions():
+        self._preempt(sched, seq, mode)
+      sched.grow()
+      while (seq := sched.restore_next()) is not None:
+        self._restore(seq)
       admitted = []
-      while queue and free_slots:
-        need = self._pages_needed(queue[0])
-        if need > self._pool.num_free:
-          self.stats["admission_waits"] += 1
-          break  # FIFO: wait for pages rather than skip ahead
-        r = queue.popleft()
-        slot = free_slots.pop()
-        running[slot] = (r, self._pool.allocate(need))
-        admitted.append(slot)
+      while (seq := sched.admit_next()) is not None:
+        admitted.append(seq)
       if admitted:
-        self._state = self._prefill(admitted, running)
+        self._state = self._prefill(admitted)
+      self._push_page_tables(sched)
+      slot_rounds0 = int(self._state.counters[0])
       self._state, rounds = self._decode_fn(
           self._params, self._proposer_params(), self._state, self._key,
-          jnp.bool_(bool(queue)), jnp.int32(c.round_budget))
+          jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget))
+      rounds = int(rounds)
       self.stats["device_calls"] += 1
-      self.stats["rounds"] += int(rounds)
-      finish = np.asarray(self._state.finish)
-      finished = [s for s in running if finish[s] != RUNNING]
+      self.stats["rounds"] += rounds
+      if rounds:
+        busy = (int(self._state.counters[0]) - slot_rounds0) / (rounds * c.num_slots)
+        trace.append((rounds, busy))
+      length, finish = jax.device_get((self._state.length, self._state.finish))
+      finished = []
+      for slot, seq in sched.running.items():
+        seq.length = int(length[slot])
+        if finish[slot] != RUNNING:
+          finished.append(slot)
       if finished:
-        self._collect(finished, running, done, free_slots)
+        self._collect([sched.finish(slot) for slot in finished], finished, done)
+    self.stats.update(sched.stats)
     responses = [done[r.request_id] for r in requests]
     metrics = self._metrics(before, stats0, responses, time.perf_counter() - t0)
-    if c.num_draft_tokens:
+    metrics["utilization_trace"] = trace
+    if K:
       metrics["draft_time_frac"] = self._draft_time_fraction()
     return RolloutResult(responses, metrics)
+
+  def _push_page_tables(self, sched: Scheduler) -> None:
+    """The running sequences' page ids and capacities, host -> device."""
+    c = self.config
+    table = np.zeros((c.num_slots, c.max_pages_per_slot), np.int32)
+    capacity = np.zeros((c.num_slots,), np.int32)
+    for slot, seq in sched.running.items():
+      table[slot, :len(seq.pages)] = seq.pages
+      capacity[slot] = len(seq.pages) * c.page_size
+    sh = self._state_sharding
+    self._state = self._state.replace(
+        cache=self._state.cache.replace(page_table=jax.device_put(table, sh.cache.page_table)),
+        capacity=jax.device_put(capacity, sh.capacity))
+
+  def _page_ids(self, pages: list[int]) -> np.ndarray:
+    """``pages`` padded with the out-of-range id ``P`` to a power of two (few compiles)."""
+    n = min(_pow2(len(pages)), self.config.max_pages_per_slot)
+    ids = np.full((n,), self.config.num_pages, np.int32)
+    ids[:len(pages)] = pages
+    return ids
+
+  def _preempt(self, sched: Scheduler, seq: SeqState, mode: str) -> None:
+    """Takes ``seq`` off its slot: its row (and, to offload, its pages) to host memory."""
+    ids = self._page_ids(seq.pages if mode == "offload" else [])
+    self._state, row, pools = self._take_out_fn(self._state, jnp.int32(seq.slot),
+                                                jnp.asarray(ids))
+    saved = {"row": jax.device_get(row)}
+    if mode == "offload":
+      saved["pools"] = jax.device_get(pools)
+      saved["num_pages"] = len(seq.pages)
+      self.stats["offload_bytes"] += len(seq.pages) * self._page_bytes()
+    sched.preempt(seq, mode, saved)
+
+  def _restore(self, seq: SeqState) -> None:
+    """Puts preempted ``seq`` back on its (new) slot with its (new) pages."""
+    row = seq.saved["row"]
+    if seq.mode == "offload":
+      n = seq.saved["num_pages"]
+      ids = self._page_ids(seq.pages[:n])
+      self._state = self._put_back_fn(self._state, jnp.int32(seq.slot), jnp.asarray(ids),
+                                      row, seq.saved["pools"])
+      self.stats["restore_bytes"] += n * self._page_bytes()
+    else:
+      length = seq.length
+      T = self._bucket_len(length)
+      tokens = np.zeros((1, T), np.int32)
+      tokens[0, T - length:] = row["history"][:length]
+      pages = np.zeros((1, self.config.max_pages_per_slot), np.int32)
+      pages[0, :len(seq.pages)] = seq.pages
+      self._state = self._recompute_fn(
+          self._params, self._proposer_params(), self._state, jnp.int32(seq.slot),
+          jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.asarray(pages), row)
+      self.stats["recompute_tokens"] += length
+    seq.saved, seq.mode = None, ""
+
+  def _page_bytes(self) -> int:
+    return page_bytes((self._state.cache.layers, self._state.proposer))
 
   def _draft_time_fraction(self) -> float:
     """Share of a round spent drafting: one timed propose call and one timed verify
     forward on the current state (both compiled on first use, timed warm)."""
-    args = self._proposer_params(), self._state, self._key
+    args = self._params, self._proposer_params(), self._state, self._key
     jax.block_until_ready(self._draft_only(*args))
     t = time.perf_counter()
     drafts = jax.block_until_ready(self._draft_only(*args))[0]
@@ -395,7 +521,9 @@ class RolloutEngine:
     delta = self._device_counters() - before
     slot_rounds, drafted, accepted = (int(x) for x in delta[:3])
     K = self.config.num_draft_tokens
-    stats = {k: v - stats0.get(k, 0) for k, v in self.stats.items()}
+    stats = dict.fromkeys(SCHEDULER_STATS, 0)
+    stats.update({k: v - stats0.get(k, 0) for k, v in self.stats.items()})
+    rounds = stats.get("rounds", 0)
     emitted = sum(len(r.tokens) for r in responses)
     return {
         **stats, "slot_rounds": slot_rounds, "drafted_tokens": drafted,
@@ -403,6 +531,7 @@ class RolloutEngine:
         "tokens_per_s": emitted / wall if wall > 0 else 0.0,
         "acceptance_length": 1.0 + accepted / slot_rounds if slot_rounds and K else 1.0,
         "acceptance_at": (delta[3:] / slot_rounds).tolist() if slot_rounds and K else [],
+        "slot_utilization": slot_rounds / (rounds * self.config.num_slots) if rounds else 0.0,
     }
 
   def _reference_row(self, r: Request) -> np.ndarray:
@@ -418,22 +547,22 @@ class RolloutEngine:
         break
     return row
 
-  def _prefill(self, admitted, running) -> SlotState:
+  def _prefill(self, admitted: list[SeqState]) -> SlotState:
     c, S = self.config, self.config.num_slots
     n = self._bucket_batch(len(admitted))
-    T = self._bucket_len(max(len(running[s][0].prompt) for s in admitted))
+    T = self._bucket_len(max(len(q.request.prompt) for q in admitted))
     slots = np.full((n,), S, np.int32)
     tokens = np.zeros((n, T), np.int32)
     lens, rids, max_new = np.zeros((n,), np.int32), np.zeros((n,), np.int32), np.ones((n,), np.int32)
     groups = np.full((n,), -1, np.int32)
     pages = np.zeros((n, c.max_pages_per_slot), np.int32)
     refs = np.full((n, c.reference_len), -1, np.int32)
-    for i, slot in enumerate(admitted):
-      r, pg = running[slot]
-      slots[i], lens[i], rids[i], groups[i] = slot, len(r.prompt), r.request_id, r.group_id
+    for i, seq in enumerate(admitted):
+      r = seq.request
+      slots[i], lens[i], rids[i], groups[i] = seq.slot, len(r.prompt), r.request_id, r.group_id
       max_new[i] = self._max_new(r)
       tokens[i, T - len(r.prompt):] = r.prompt
-      pages[i, :len(pg)] = pg
+      pages[i, :len(seq.pages)] = seq.pages
       if c.reference_len:
         refs[i] = self._reference_row(r)
     self.stats["prefills"] += 1
@@ -441,12 +570,12 @@ class RolloutEngine:
                             *map(jnp.asarray, (slots, tokens, lens, pages, rids, groups, refs,
                                                max_new)))
 
-  def _collect(self, finished, running, done, free_slots) -> None:
+  def _collect(self, seqs: list[SeqState], slots: list[int], done) -> None:
     st = self._state
     num_gen, finish = np.asarray(st.num_gen), np.asarray(st.finish)
     toks, lps, plps = jax.device_get((st.out_tok, st.out_lp, st.out_policy_lp))
-    for s in finished:
-      r, pages = running.pop(s)
+    for seq, s in zip(seqs, slots):
+      r = seq.request
       n = int(num_gen[s])
       done[r.request_id] = Response(
           request_id=r.request_id, prompt=list(r.prompt), tokens=toks[s, :n].tolist(),
@@ -455,8 +584,6 @@ class RolloutEngine:
       if self.config.reference_len:
         mem = self._memory.setdefault(tuple(r.prompt), collections.deque(maxlen=4))
         mem.appendleft(list(r.prompt) + done[r.request_id].tokens)
-      self._pool.release(pages)
-      free_slots.append(s)  # its stale ``finish`` is ignored until prefill reuses it
 
   # ------------------------------------------------------------------ text API
 

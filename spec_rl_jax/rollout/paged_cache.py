@@ -113,3 +113,28 @@ class PagePool:
     self._free.extend(reversed(pages))
     if len(self._free) > self.num_pages or len(set(self._free)) != len(self._free):
       raise AssertionError("page released twice")  # bookkeeping invariant
+
+
+def _is_pool(x) -> bool:
+  return getattr(x, "ndim", 0) >= 4  # [L, Hk, P, ...]; page tables are [S, M]
+
+
+def gather_pages(tree, ids: jax.Array) -> list[jax.Array]:
+  """Pages ``ids [n]`` of every page pool in ``tree`` (leaves ``[L, Hk, P, ...]``:
+  policy and proposer caches alike), as ``[L, Hk, n, ...]`` arrays in leaf order.
+  Out-of-range ids (padding) read an arbitrary page."""
+  return [jnp.take(x, ids, axis=2, mode="clip") for x in jax.tree.leaves(tree) if _is_pool(x)]
+
+
+def scatter_pages(tree, ids: jax.Array, data: list[jax.Array]):
+  """Writes what `gather_pages` returned into pages ``ids`` (out-of-range: dropped)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  it = iter(data)
+  leaves = [x.at[:, :, ids].set(next(it), mode="drop") if _is_pool(x) else x for x in leaves]
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def page_bytes(tree) -> int:
+  """Bytes one page occupies across every page pool in ``tree``."""
+  return sum(x.size // x.shape[2] * x.dtype.itemsize for x in jax.tree.leaves(tree)
+             if _is_pool(x))

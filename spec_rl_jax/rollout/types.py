@@ -5,7 +5,8 @@ Glossary:
   round     one decode step of every active slot (one token each; a speculative round
             emits 1..K+1 tokens per slot).
   page      ``page_size`` consecutive KV positions of one slot (rollout/paged_cache.py).
-  budget    the number of KV pages in the pool; admission never over-commits it.
+  budget    the number of KV pages in the pool; sequences take pages as they grow and
+            are preempted (offloaded or recomputed later) when it runs short.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from spec_rl_jax.rollout.scheduler import SchedulerConfig
 from spec_rl_jax.sampling import SamplingParams
 
 FINISH_REASONS = ("running", "eos", "length")
@@ -36,6 +38,7 @@ class EngineConfig:
   seed: int = 0
   num_draft_tokens: int = 0  # K: drafts per speculative round; 0 = plain AR
   reference_len: int = 0  # R: tokens of earlier rollouts of a prompt kept per slot (ngram)
+  scheduler: SchedulerConfig = SchedulerConfig()  # page growth, admission, preemption
 
   def __post_init__(self):
     if self.max_seq_len % self.page_size:
@@ -89,7 +92,11 @@ class RolloutResult:
   ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
   speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of slot-rounds
   whose draft ``i`` was accepted), ``emitted_tokens``, ``prefills``, ``device_calls``,
-  ``admission_waits``, ``wall_s``, ``tokens_per_s``, and with drafting
+  ``admission_waits``, ``wall_s``, ``tokens_per_s``, ``slot_utilization`` (busy
+  slot-rounds / (rounds x slots)) and ``utilization_trace`` (per device call:
+  ``(rounds, busy fraction)``), the scheduler's ``preemptions``, ``offloads``,
+  ``recomputes``, ``restores``, ``offload_bytes``, ``restore_bytes``,
+  ``recompute_tokens`` (rollout/scheduler.py), and with drafting
   ``draft_time_frac`` (share of a round spent proposing, from one timed propose call
   and one timed verify forward on the final state).
   """

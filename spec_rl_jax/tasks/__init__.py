@@ -12,8 +12,10 @@ import dataclasses
 from spec_rl_jax.tasks.arithmetic import Arithmetic
 from spec_rl_jax.tasks.base import Task
 from spec_rl_jax.tasks.countdown import Countdown
+from spec_rl_jax.tasks.counting import Counting
 
-TASKS: dict[str, type] = {"arithmetic": Arithmetic, "countdown": Countdown}
+TASKS: dict[str, type] = {"arithmetic": Arithmetic, "countdown": Countdown,
+                          "counting": Counting}
 
 
 def get_task(name: str, **difficulty) -> Task:

@@ -16,8 +16,10 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from spec_rl_jax.rollout.types import EngineConfig
+from spec_rl_jax.sampling import process_logits
 
 
 class DraftContext(NamedTuple):
@@ -32,6 +34,8 @@ class DraftContext(NamedTuple):
   reference: jax.Array  # [S, R] int32: earlier rollouts of the slot's prompt (-1 pad)
   page_table: jax.Array  # [S, M] int32: the slot's KV pages (shared by draft caches)
   key: jax.Array  # the engine's base PRNG key
+  target_params: Any  # the policy's weights (self-drafting proposers read them)
+  cache: Any  # the policy's PagedKVCache: positions < ``length`` (read only)
 
 
 class Proposer(Protocol):
@@ -77,3 +81,33 @@ def draft_key(key: jax.Array, rid: jax.Array, pos: jax.Array) -> jax.Array:
   verifier's (which folds ``rid`` then ``pos`` into ``key`` directly)."""
   return jax.vmap(lambda r, p: jax.random.fold_in(
       jax.random.fold_in(jax.random.fold_in(key, 0x5EED), r), p))(rid, pos)
+
+
+def sample_drafts(step: Callable[[Any, jax.Array, int], tuple[Any, jax.Array]], carry: Any,
+                  logits: jax.Array, ctx: DraftContext, num_draft: int, sampling
+                  ) -> tuple[jax.Array, jax.Array, Any]:
+  """Autoregressive drafting from a model: ``x_1 ~ q_1`` from ``logits [S, V]`` (the
+  draft's prediction for position ``length + 1``), then for ``i = 1..K-1``
+  ``step(carry, x_i, i) -> (carry, logits of q_{i+1})`` feeds ``x_i`` at ``length + i``.
+
+  ``q`` is the processed sampling distribution (spec/verifier.py applies the same
+  processing to ``p``). Returns ``(drafts [S, K], logprobs [S, K, V], carry)``.
+  """
+
+  def draw(logits, i):
+    lp = process_logits(logits, sampling)  # [S, V]
+    keys = draft_key(ctx.key, ctx.rid, ctx.length + 1 + i)
+    return jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32), lp
+
+  x, lp = draw(logits, 0)
+
+  def body(c, i):
+    carry, x = c
+    carry, logits = step(carry, x, i)
+    nxt, lp = draw(logits, i)
+    return (carry, nxt), (nxt, lp)
+
+  (carry, _), (xs, lps) = jax.lax.scan(body, (carry, x), jnp.arange(1, num_draft))
+  drafts = jnp.concatenate([x[:, None], xs.T], axis=1)  # [S, K]
+  logprobs = jnp.concatenate([lp[:, None], lps.transpose(1, 0, 2)], axis=1)  # [S, K, V]
+  return drafts, logprobs, carry

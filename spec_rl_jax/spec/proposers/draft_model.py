@@ -23,8 +23,7 @@ from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.paged_cache import PagedKVCache
 from spec_rl_jax.rollout.types import EngineConfig
-from spec_rl_jax.sampling import process_logits
-from spec_rl_jax.spec.proposers.base import DraftContext, draft_key, register
+from spec_rl_jax.spec.proposers.base import DraftContext, register, sample_drafts
 
 
 def check_tokenizers_match(policy: Tokenizer, draft: Tokenizer) -> None:
@@ -84,21 +83,11 @@ class DraftModelProposer:
     out = model(jnp.stack([prev, ctx.last], 1), pos, cache=cache,
                 logits_at=jnp.ones((S, 1), jnp.int32))
 
-    def draw(logits, i):
-      lp = process_logits(logits, sampling)  # [S, V]
-      keys = draft_key(ctx.key, ctx.rid, ctx.length + 1 + i)
-      return jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32), lp
-
-    x, lp = draw(out.logits[:, 0], 0)
-
-    def step(carry, i):
-      cache, x = carry
+    def step(cache, x, i):
       p = jnp.where(ctx.active, ctx.length + i, -1)[:, None]
       o = model(x[:, None], p, cache=cache)
-      nxt, lp = draw(o.logits[:, 0], i)
-      return (o.cache, nxt), (nxt, lp)
+      return o.cache, o.logits[:, 0]
 
-    (cache, _), (xs, lps) = jax.lax.scan(step, (out.cache, x), jnp.arange(1, num_draft))
-    drafts = jnp.concatenate([x[:, None], xs.T], axis=1)  # [S, K]
-    logprobs = jnp.concatenate([lp[:, None], lps.transpose(1, 0, 2)], axis=1)  # [S, K, V]
+    drafts, logprobs, cache = sample_drafts(step, out.cache, out.logits[:, 0], ctx, num_draft,
+                                            sampling)
     return drafts, logprobs, cache.replace(page_table=state.page_table)

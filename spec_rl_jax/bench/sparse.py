@@ -1,0 +1,251 @@
+"""Self-sparse speculative rollouts and the KV-aware scheduler on the long-response
+workload: ``python -m spec_rl_jax.bench.sparse``.
+
+Workload: the counting task (tasks/counting.py: responses of ~400-1,100 tokens) with the
+``long-policy`` / ``long-draft`` models (trained into the cache on first use, a few
+minutes: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, RL
+sampling (temperature 1). Throughput counts emitted tokens only.
+
+Part 1 — decoding: AR (K = 0), ``self_sparse`` at several page budgets (fraction of
+the slot's used pages) and K, with the selection refreshed per draft step and reused
+per round, and the ``draft_model`` proposer for comparison; all systems alternate
+A B A B after a warm-up that compiles them. Besides tokens/s and acceptance length it
+reports the KV bytes read per emitted token by attention that reads only what it
+needs: per round the verifier reads the whole context once, each sparse draft step the
+selected pages plus the page key bounds; the per-round average context is taken from
+the responses (our XLA reference attention reads every page of ``max_seq_len``
+whatever the length, so its real traffic is higher for AR and verification alike).
+
+Part 2 — scheduler: a KV page budget that holds about half the slots at full length;
+the ``kv_aware`` policy vs ``naive`` (preempt newest, offload, no hysteresis), AR,
+alternating: tokens/s, preemptions, offload + restore bytes, recompute tokens, slot
+utilisation (and its trace per device call in the JSON).
+
+Writes JSON (``summary``: best self-sparse speedup over AR at budget <= 25%, the
+crossover budget, acceptance lengths, scheduler bytes and throughput ratios) and a PNG of
+acceptance length and speedup vs budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import numpy as np
+
+from spec_rl_jax.bench import common
+
+
+def ensure_long_models(names=("long-policy", "long-draft")):
+  """``(policy, draft, tokenizer)`` from the cache, training what is missing."""
+  from spec_rl_jax import sft
+  from spec_rl_jax.checkpoint import cache_dir
+  from spec_rl_jax.models import hf_io
+  missing = [n for n in names if not os.path.exists(os.path.join(cache_dir(), n, "config.json"))]
+  if missing:
+    print(f"training {missing} into {cache_dir()} (first use; a few minutes)")
+    sft.produce(missing, {}, eval_n=0)
+  (policy, tok), (draft, _) = (hf_io.load_hf_checkpoint(os.path.join(cache_dir(), n))
+                               for n in names)
+  return policy, draft, tok
+
+
+def prompts(tokenizer, n: int, spans: tuple[int, int], seed: int = 0):
+  from spec_rl_jax import data
+  src = data.Source.parse(f"task:counting?min_span={spans[0]},max_span={spans[1]}")
+  recs = data.mixed_records([src], "test", seed)
+  encode = data.SFTEncoder(tokenizer)
+  return [encode.prompt_ids(recs[i]) for i in range(n)]
+
+
+def kv_bytes_per_token(cfg, ctx: float) -> float:
+  """KV bytes (K and V, all layers) of ``ctx`` positions."""
+  return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * ctx
+
+
+def read_per_emitted(system: str, cfg, draft_cfg, ctx: float, K: int, acc: float,
+                     frac: float, page_size: int) -> float:
+  """KV bytes attention reads per emitted token (module docstring)."""
+  full = kv_bytes_per_token(cfg, ctx)
+  if system == "ar":
+    return full
+  if system == "draft_model":
+    return (full + K * kv_bytes_per_token(draft_cfg, ctx)) / acc
+  pages = math.ceil(ctx / page_size)
+  selected = min(pages, max(3, math.ceil(frac * pages))) * page_size
+  bounds = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * pages
+  return (full + K * (kv_bytes_per_token(cfg, selected) + bounds)) / acc
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--out", default=common.default_out("sparse"))
+  args = ap.parse_args(argv)
+
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.rollout.types import EngineConfig, Request
+  from spec_rl_jax.sampling import SamplingParams
+  from spec_rl_jax.spec.proposers import make_proposer
+  from spec_rl_jax.spec.proposers.self_sparse import PageBudget
+
+  policy, draft, tok = ensure_long_models()
+  cfg, dcfg = policy.cfg, draft.cfg
+  quick = args.quick
+  B = 4 if quick else 8
+  spans = (60, 120) if quick else (150, 250)
+  max_seq = 640 if quick else 1280
+  page_size = 16
+  fracs = [0.125, 0.25, 0.5] if quick else [0.0625, 0.125, 0.25, 0.5]
+  ks = [4] if quick else [2, 4, 6]
+  reps = 1 if quick else 2
+  sampling = SamplingParams(temperature=1.0)
+  ps = prompts(tok, B, spans)
+  base = dict(num_slots=B, page_size=page_size, max_seq_len=max_seq,
+              max_new_tokens=max_seq - 64, round_budget=64, sampling=sampling,
+              eos_ids=tok.eos_ids, num_pages=B * max_seq // page_size)
+  print(f"machine {common.machine_info()}; B={B} spans={spans} budgets={fracs} K={ks}")
+
+  systems, meta, last = {}, {}, {}
+
+  def add(name, K, proposer, frac=None):
+    engine = RolloutEngine(policy, EngineConfig(num_draft_tokens=K, **base), tok, proposer)
+    state = {"i": 0}
+
+    def run():
+      state["i"] += 1
+      res = engine.generate([Request(p, 10_000 * state["i"] + j) for j, p in enumerate(ps)])
+      last[name] = res
+      return res.metrics["emitted_tokens"]
+
+    systems[name], meta[name] = run, {"K": K, "frac": frac}
+
+  add("ar", 0, None)
+  for K in ks:
+    for frac in fracs:
+      add(f"sparse_f{frac}_k{K}", K, make_proposer(
+          "self_sparse", model=policy, budget=PageBudget(n_sink=1, n_window=2, fraction=frac)),
+          frac)
+  K0 = ks[-1] if quick else 4
+  add(f"sparse_f0.25_k{K0}_round", K0, make_proposer(
+      "self_sparse", model=policy, budget=PageBudget(n_sink=1, n_window=2, fraction=0.25),
+      reselect=False), 0.25)
+  add(f"draft_model_k{K0}", K0, make_proposer("draft_model", model=draft))
+  with common.CompileCounter() as compiles:
+    res = common.alternate(systems, reps=reps, warmup=1, baseline="ar")
+
+  rows, curves = [], {}
+  for name in systems:
+    m = last[name].metrics
+    lens = [len(r.tokens) for r in last[name].responses]
+    ctx = float(np.mean([len(p) + n / 2 for p, n in zip(ps, lens)]))
+    K, frac = meta[name]["K"], meta[name]["frac"]
+    kind = "ar" if name == "ar" else ("draft_model" if name.startswith("draft") else "sparse")
+    acc = m["acceptance_length"]
+    row = {"system": name, "K": K, "budget": frac, "tokens_per_s": res["rate"][name],
+           "speedup_vs_ar": res["ratio"][name], "acceptance_length": acc,
+           "kv_bytes_per_token": read_per_emitted(kind, cfg, dcfg, ctx, K, acc, frac or 1.0,
+                                                  page_size),
+           "mean_response": float(np.mean(lens)), "draft_time_frac": m.get("draft_time_frac")}
+    rows.append(row)
+    if kind == "sparse" and not name.endswith("_round"):
+      curves.setdefault(K, []).append((frac, acc, res["ratio"][name]))
+  cols = ["system", "K", "budget", "tokens_per_s", "speedup_vs_ar", "acceptance_length",
+          "kv_bytes_per_token", "mean_response", "draft_time_frac"]
+  common.print_table(rows, cols)
+
+  sparse = [r for r in rows if r["budget"] and not r["system"].startswith("draft")]
+  small = [r for r in sparse if r["budget"] <= 0.25]
+  wins = sorted(r["budget"] for r in sparse if r["speedup_vs_ar"] > 1.0)
+  summary = {
+      "self_sparse_best_speedup_vs_ar_budget_le_25pct": max(r["speedup_vs_ar"] for r in small),
+      "self_sparse_crossover_budget": wins[0] if wins else None,
+      "draft_model_speedup_vs_ar": res["ratio"][f"draft_model_k{K0}"],
+      "reselect_step_vs_round_speedup": (res["rate"][f"sparse_f0.25_k{K0}"]
+                                         / res["rate"][f"sparse_f0.25_k{K0}_round"]),
+      "acceptance_length": {r["system"]: r["acceptance_length"] for r in rows if r["K"]},
+      "compiles_during_timed_runs": compiles.count,
+  }
+
+  sched_rows, sched = scheduler_part(policy, tok, quick,
+                                     ps if quick else prompts(tok, 16, spans, 1), base)
+  summary.update(sched)
+  print()
+  common.print_table(sched_rows, ["policy", "tokens_per_s", "throughput_vs_naive",
+                                  "preemptions", "offloads", "recomputes", "kv_bytes_moved",
+                                  "recompute_tokens", "slot_utilization"])
+  print("\nsummary:", {k: v for k, v in summary.items() if k != "acceptance_length"})
+  _plot(curves, args.out)
+  return common.write_results(args.out, "sparse", quick, summary,
+                              rows + [dict(r, part="scheduler") for r in sched_rows])
+
+
+def scheduler_part(policy, tok, quick, ps, base):
+  """Tight KV budget: kv_aware vs naive (AR rollouts), alternating."""
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.rollout.scheduler import SchedulerConfig
+  from spec_rl_jax.rollout.types import EngineConfig, Request
+  S = 4 if quick else 8
+  page_size, max_seq = base["page_size"], base["max_seq_len"]
+  cfg = dict(base, num_slots=S, num_pages=S * max_seq // page_size // 2, round_budget=32)
+  engines, last = {}, {}
+  for name in ("kv_aware", "naive"):
+    engines[name] = RolloutEngine(policy, EngineConfig(
+        scheduler=SchedulerConfig(policy=name, grow_tokens=128), **cfg), tok)
+  state = {"i": 0}
+
+  def runner(name):
+    def run():
+      state["i"] += 1
+      res = engines[name].generate([Request(p, 7_000_000 + 1000 * state["i"] + j)
+                                    for j, p in enumerate(ps)])
+      last[name] = res
+      return res.metrics["emitted_tokens"]
+    return run
+
+  res = common.alternate({n: runner(n) for n in engines}, reps=1 if quick else 2, warmup=1,
+                         baseline="naive")
+  rows = []
+  for name in engines:
+    m = last[name].metrics
+    rows.append({"policy": name, "tokens_per_s": res["rate"][name],
+                 "throughput_vs_naive": res["ratio"][name], "preemptions": m["preemptions"],
+                 "offloads": m["offloads"], "recomputes": m["recomputes"],
+                 "kv_bytes_moved": m["offload_bytes"] + m["restore_bytes"],
+                 "recompute_tokens": m["recompute_tokens"],
+                 "slot_utilization": m["slot_utilization"],
+                 "utilization_trace": m["utilization_trace"]})
+  moved = {r["policy"]: r["kv_bytes_moved"] for r in rows}
+  return rows, {
+      "scheduler_kv_bytes_naive_over_kv_aware": (moved["naive"] / moved["kv_aware"]
+                                                 if moved["kv_aware"] else float("inf")),
+      "scheduler_throughput_kv_aware_vs_naive": res["ratio"]["kv_aware"],
+  }
+
+
+def _plot(curves, out: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+  for K, pts in sorted(curves.items()):
+    pts = sorted(pts)
+    a1.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"K={K}")
+    a2.plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"K={K}")
+  a1.set(xlabel="page budget (fraction of context)", ylabel="acceptance length",
+         xscale="log")
+  a2.axhline(1.0, color="gray", ls="--")
+  a2.set(xlabel="page budget (fraction of context)", ylabel="speedup vs AR", xscale="log")
+  for a in (a1, a2):
+    a.legend()
+    a.grid(alpha=0.3)
+  fig.suptitle("self-sparse speculative rollouts (counting workload)")
+  path = os.path.splitext(out)[0] + ".png"
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

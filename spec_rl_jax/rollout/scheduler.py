@@ -1,0 +1,253 @@
+"""The KV-aware scheduler: who runs, who grows, who is preempted and how (host side).
+
+Sequences hold KV pages on demand: a prompt's pages plus ``grow_tokens`` of room at
+admission, another ``grow_tokens`` whenever the device loop stops because a slot has
+no room for its next round (``length + K + 1 > capacity``). When the pool cannot cover
+the growth every running sequence needs *now*, victims are preempted:
+
+  * ``offload``: their pages (every page pool in the engine state, bit for bit) and
+    their slot row go to host memory; restore copies them into fresh pages;
+  * ``recompute``: only the slot row is kept; restore re-prefills the ``length``
+    tokens of the sequence into fresh pages.
+
+Preempted sequences come back (FIFO) before new requests are admitted. Sampling is
+keyed by (request id, position), so a preempted sequence continues exactly as if it
+had never stopped.
+
+Policies (registry, one signature — `Policy`):
+
+  ``kv_aware``  admission control: admit only while the pool covers the pages every
+                running sequence and the newcomer are still expected to take (their
+                expected length: the mean response length finished so far in this call,
+                at first the request's cap) plus ``watermark`` of the pool; victims are
+                the sequences that are cheapest to bring back (fewest pages; the
+                shortest are recomputed, not offloaded); a preempted sequence comes
+                back under the same rule as admission, so it is not preempted again
+                at once (hysteresis).
+  ``naive``     admit whenever the prompt's pages fit, preempt the newest sequence by
+                offloading, restore as soon as its pages fit.
+
+Glossary: a *chunk* is ``grow_tokens`` of KV; *must-grow* slots cannot run one more
+round without a page; ``P`` pages in the pool, ``Ps`` page size.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from spec_rl_jax.rollout.paged_cache import PagePool
+
+
+# Counters every rollout reports (RolloutResult.metrics), zero when nothing happened.
+SCHEDULER_STATS = ("admission_waits", "preemptions", "offloads", "recomputes", "restores",
+                   "offload_bytes", "restore_bytes", "recompute_tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+  """How the engine shares its KV page budget (see the module docstring)."""
+
+  policy: str = "kv_aware"  # kv_aware | naive (registered in `POLICIES`)
+  grow_tokens: int = 256  # KV room added per growth (a chunk)
+  watermark: float = 0.05  # kv_aware: fraction of the pool kept free for hysteresis
+  recompute_max_tokens: int = 64  # kv_aware: sequences up to this length are recomputed
+
+  def __post_init__(self):
+    if self.grow_tokens <= 0:
+      raise ValueError(f"grow_tokens must be positive, got {self.grow_tokens}")
+    if not 0 <= self.watermark < 1:
+      raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+    if self.recompute_max_tokens < 0:
+      raise ValueError("recompute_max_tokens must be >= 0")
+
+
+@dataclasses.dataclass
+class SeqState:
+  """A request the engine has started: running in ``slot`` or preempted."""
+
+  request: Any  # rollout.types.Request
+  max_tokens: int  # prompt + max_new + K: the most KV it can ever need
+  tick: int  # admission order (newest = largest)
+  pages: list[int] = dataclasses.field(default_factory=list)
+  slot: int = -1  # -1 while preempted
+  length: int = 0  # tokens in its KV cache (host mirror, refreshed after each call)
+  mode: str = ""  # while preempted: "offload" | "recompute"
+  saved: Any = None  # while preempted: slot row (+ page contents when offloaded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A scheduling policy: three decisions, each a pure function of host bookkeeping.
+
+  ``can_admit(scheduler, seq, pages)``: may new ``seq`` start now with ``pages``?
+  ``can_restore(scheduler, seq, pages)``: may preempted ``seq`` come back with ``pages``?
+  ``victims(scheduler, running, short)``: ``[(seq, mode)]`` freeing ``>= short`` pages.
+  """
+
+  can_admit: Callable[["Scheduler", SeqState, int], bool]
+  can_restore: Callable[["Scheduler", SeqState, int], bool]
+  victims: Callable[["Scheduler", list[SeqState], int], list[tuple[SeqState, str]]]
+
+
+def _take_until(order: list[SeqState], short: int, mode: Callable[[SeqState], str]):
+  out, freed = [], 0
+  for seq in order:
+    if freed >= short:
+      break
+    out.append((seq, mode(seq)))
+    freed += len(seq.pages)
+  return out
+
+
+def _kv_aware_admit(s: "Scheduler", seq: SeqState, pages: int) -> bool:
+  # Pages the running sequences and the newcomer are still expected to take.
+  expected = sum(s.expected_growth(q, len(q.pages)) for q in s.running.values())
+  expected += pages + s.expected_growth(seq, pages)
+  return s.pool.num_free >= expected + s.watermark_pages
+
+
+def _kv_aware_victims(s: "Scheduler", running: list[SeqState], short: int):
+  # Cheapest to bring back first: fewest pages; among equals the newest.
+  order = sorted(running, key=lambda q: (len(q.pages), -q.tick))
+  limit = s.config.recompute_max_tokens
+  return _take_until(order, short, lambda q: "recompute" if q.length <= limit else "offload")
+
+
+POLICIES: dict[str, Policy] = {
+    "kv_aware": Policy(
+        can_admit=_kv_aware_admit, can_restore=_kv_aware_admit,
+        victims=_kv_aware_victims),
+    "naive": Policy(
+        can_admit=lambda s, seq, pages: s.pool.num_free >= pages,
+        can_restore=lambda s, q, pages: s.pool.num_free >= pages,
+        victims=lambda s, running, short: _take_until(
+            sorted(running, key=lambda q: -q.tick), short, lambda q: "offload")),
+}
+
+
+class Scheduler:
+  """Host bookkeeping of one `RolloutEngine.generate` call: the request queue, running
+  and preempted sequences, free slots and the page pool. The engine executes the
+  decisions on the device (preempt, grow, restore, admit, in that order) and reports
+  lengths and finished slots back."""
+
+  def __init__(self, config: SchedulerConfig, pool: PagePool, num_slots: int,
+               round_tokens: int, requests, max_tokens: Callable[[Any], int]):
+    if config.policy not in POLICIES:
+      raise ValueError(f"unknown scheduler policy {config.policy!r}; registered:"
+                       f" {sorted(POLICIES)}")
+    self.config, self.pool, self.policy = config, pool, POLICIES[config.policy]
+    self.round_tokens = round_tokens  # K + 1: KV written by one round
+    self.queue = collections.deque(requests)
+    self.preempted: collections.deque[SeqState] = collections.deque()
+    self.running: dict[int, SeqState] = {}
+    self.free_slots = list(range(num_slots - 1, -1, -1))
+    self._max_tokens = max_tokens
+    self._ticks = itertools.count()
+    self.watermark_pages = int(config.watermark * pool.num_pages)
+    self.stats = collections.Counter()
+    self._finished_lens: list[int] = []  # response lengths finished in this call
+
+  def busy(self) -> bool:
+    return bool(self.queue or self.preempted or self.running)
+
+  def pages_for(self, tokens: int) -> int:
+    return self.pool.pages_for(tokens)
+
+  def next_chunk(self, seq: SeqState) -> int:
+    """Pages ``seq`` would take at its next growth."""
+    want = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
+    return max(0, want - len(seq.pages))
+
+  def expected_growth(self, seq: SeqState, pages: int) -> int:
+    """Pages beyond ``pages`` that ``seq`` is expected to take before it finishes."""
+    prompt = len(seq.request.prompt)
+    cap = seq.max_tokens - prompt  # max_new + K
+    done = seq.length - prompt
+    mean = (sum(self._finished_lens) / len(self._finished_lens) if self._finished_lens
+            else cap)
+    total = min(seq.max_tokens, prompt + max(mean + self.round_tokens, done + self.round_tokens))
+    return max(0, self.pages_for(int(total)) - pages)
+
+  def _must_grow(self, seq: SeqState) -> int:
+    """Pages ``seq`` needs before it can run one more round."""
+    need = self.pages_for(min(seq.length + self.round_tokens, seq.max_tokens))
+    return max(0, need - len(seq.pages))
+
+  def finish(self, slot: int) -> SeqState:
+    seq = self.running.pop(slot)
+    self._finished_lens.append(seq.length - len(seq.request.prompt) + 1)
+    self.pool.release(seq.pages)
+    seq.pages = []
+    self.free_slots.append(slot)
+    return seq
+
+  def plan_preemptions(self) -> list[tuple[SeqState, str]]:
+    """Victims to preempt so every running sequence can run its next round."""
+    short = sum(self._must_grow(q) for q in self.running.values()) - self.pool.num_free
+    if short <= 0:
+      return []
+    victims = self.policy.victims(self, list(self.running.values()), short)
+    if sum(len(q.pages) + self._must_grow(q) for q, _ in victims) < short:
+      raise AssertionError("preemption cannot free enough pages")  # validated budgets
+    return victims
+
+  def preempt(self, seq: SeqState, mode: str, saved: Any) -> None:
+    del self.running[seq.slot]
+    self.free_slots.append(seq.slot)
+    self.pool.release(seq.pages)
+    self.stats["preemptions"] += 1
+    self.stats[mode + "s"] += 1
+    seq.pages, seq.slot, seq.mode, seq.saved = [], -1, mode, saved
+    self.preempted.append(seq)
+
+  def grow(self) -> None:
+    """Gives every running sequence the pages its next round needs (preemption made
+    room), then tops up the sequences with less than half a chunk of room, emptiest
+    first, while pages last."""
+    for seq in self.running.values():
+      if must := self._must_grow(seq):
+        seq.pages += self.pool.allocate(must)
+    room = lambda q: len(q.pages) * self.pool.page_size - q.length
+    for seq in sorted(self.running.values(), key=room):
+      if 2 * room(seq) >= self.config.grow_tokens:
+        break
+      if n := min(self.next_chunk(seq), self.pool.num_free):
+        seq.pages += self.pool.allocate(n)
+
+  def restore_next(self) -> SeqState | None:
+    """The next preempted sequence, if the policy lets it back now (slot + pages set)."""
+    if not self.preempted or not self.free_slots:
+      return None
+    seq = self.preempted[0]
+    pages = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
+    if not (self.policy.can_restore(self, seq, pages) or not self.running):
+      return None
+    self.preempted.popleft()
+    self._place(seq, pages)
+    self.stats["restores"] += 1
+    return seq
+
+  def admit_next(self) -> SeqState | None:
+    """The next queued request, if it may start now (FIFO; preempted ones go first)."""
+    if not self.queue or not self.free_slots or self.preempted:
+      return None
+    req = self.queue[0]
+    seq = SeqState(request=req, max_tokens=self._max_tokens(req), tick=next(self._ticks),
+                   length=len(req.prompt))
+    pages = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
+    if not (self.policy.can_admit(self, seq, pages) or not self.running):
+      self.stats["admission_waits"] += 1
+      return None
+    self.queue.popleft()
+    self._place(seq, pages)
+    return seq
+
+  def _place(self, seq: SeqState, pages: int) -> None:
+    seq.slot = self.free_slots.pop()
+    seq.pages = self.pool.allocate(pages)
+    self.running[seq.slot] = seq

@@ -1,0 +1,129 @@
+"""The KV-aware scheduler: under a page budget too small for every slot, sequences are
+preempted (offloaded or recomputed) and restored, and every request still ends with
+exactly the output it has under an unlimited budget."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from spec_rl_jax.models import hf_io
+from spec_rl_jax.rollout.engine import RolloutEngine
+from spec_rl_jax.rollout.scheduler import SchedulerConfig
+from spec_rl_jax.rollout.types import EngineConfig, Request
+from spec_rl_jax.sampling import SamplingParams
+from spec_rl_jax.spec.proposers import make_proposer
+from tests import hf_fixtures
+
+V = 96
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=1.0, top_k=20)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+  d = str(tmp_path_factory.mktemp("target"))
+  hf_fixtures.build("qwen3", d, tie=True, seed=1)
+  return hf_io.load_hf_checkpoint(d)[0]
+
+
+def _requests(n=10, seed=0):
+  """Short responses first, then long ones: the kv_aware policy's estimate of response
+  length (the mean of those finished) runs low, so it too admits more than fits later."""
+  rng = np.random.default_rng(seed)
+  return [Request(rng.integers(1, V, rng.integers(4, 20)).tolist(), i,
+                  max_new_tokens=int(rng.integers(4, 9) if i < 4 else rng.integers(30, 41)))
+          for i in range(n)]
+
+
+def _engine(target, num_pages, sampling, K=0, proposer=None, **sched):
+  cfg = EngineConfig(num_slots=4, page_size=4, num_pages=num_pages, max_seq_len=96,
+                     max_new_tokens=40, round_budget=16, sampling=sampling, eos_ids=(11,),
+                     num_draft_tokens=K, seed=3,
+                     scheduler=SchedulerConfig(grow_tokens=8, **sched))
+  return RolloutEngine(target, cfg, proposer=proposer)
+
+
+def _same(a, b):
+  """Same tokens and finish reasons; logprobs within fp32 rounding (a schedule changes
+  prefill batch shapes, and a recomputed prefix is summed in another order than
+  token-by-token decoding; offloaded KV itself is copied bit for bit, tested below)."""
+  assert [r.tokens for r in a.responses] == [r.tokens for r in b.responses]
+  for x, y in zip(a.responses, b.responses):
+    assert x.finish_reason == y.finish_reason
+    np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(x.policy_logprobs, y.policy_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+def test_tight_budget_same_outputs_as_unlimited(target, sampling, policy):
+  reqs = _requests()
+  free = _engine(target, 400, sampling).generate(reqs)
+  assert free.metrics.get("preemptions", 0) == 0
+  # 24 pages of 4 tokens: a long request alone needs up to 15, four slots need ~40.
+  engine = _engine(target, 24, sampling, policy=policy, recompute_max_tokens=30)
+  tight = engine.generate(reqs)
+  m = tight.metrics
+  _same(free, tight)
+  assert m["preemptions"] > 0 and m["restores"] == m["preemptions"]
+  assert m["offloads"] + m["recomputes"] == m["preemptions"]
+  assert m["restore_bytes"] == m["offload_bytes"] == (m["offloads"] > 0) * m["offload_bytes"]
+  assert engine._pool.num_free == 24  # nothing leaked
+  assert 0 < m["slot_utilization"] <= 1
+
+
+def test_offload_only_and_recompute_only(target):
+  """Both preemption modes on their own give the unlimited-budget outputs."""
+  reqs = _requests(seed=1)
+  free = _engine(target, 400, SAMPLED).generate(reqs)
+  for limit, mode in [(0, "offloads"), (10_000, "recomputes")]:
+    tight = _engine(target, 24, SAMPLED, recompute_max_tokens=limit).generate(reqs)
+    _same(free, tight)
+    assert tight.metrics[mode] == tight.metrics["preemptions"] > 0
+
+
+def test_speculative_rounds_under_tight_budget(target):
+  """Draft-model SD (its own KV pools are offloaded with the policy's)."""
+  reqs = _requests(seed=2)
+  draft = make_proposer("draft_model", model=target)
+  free = _engine(target, 400, SAMPLED, K=3, proposer=draft).generate(reqs)
+  tight = _engine(target, 26, SAMPLED, K=3, proposer=draft, recompute_max_tokens=0,
+                  policy="naive").generate(reqs)
+  _same(free, tight)
+  assert tight.metrics["offloads"] > 0
+
+
+def test_offload_restore_is_bit_identical(target):
+  engine = _engine(target, 64, GREEDY, K=2, proposer=make_proposer("draft_model", model=target))
+  st = engine._state
+  rand = lambda x, i: jax.random.normal(jax.random.key(i), x.shape, x.dtype)
+  layers = tuple(rand(x, i) for i, x in enumerate(st.cache.layers))
+  prop = st.proposer.replace(layers=tuple(rand(x, 10 + i) for i, x in
+                                          enumerate(st.proposer.layers)))
+  engine._state = st.replace(cache=st.cache.replace(layers=layers), proposer=prop,
+                             length=st.length.at[1].set(17))
+  src, dst = [5, 9, 2], [40, 41, 63]
+  before = jax.device_get((engine._state.cache.layers, engine._state.proposer.layers))
+  engine._state, row, pools = engine._take_out_fn(engine._state, jnp.int32(1),
+                                                  jnp.asarray(engine._page_ids(src)))
+  row, pools = jax.device_get((row, pools))
+  assert not bool(engine._state.active[1]) and int(row["length"]) == 17
+  engine._state = engine._put_back_fn(engine._state, jnp.int32(3),
+                                      jnp.asarray(engine._page_ids(dst)), row, pools)
+  after = jax.device_get((engine._state.cache.layers, engine._state.proposer.layers))
+  for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(b[:, :, src], a[:, :, dst])  # bit-identical copies
+    keep = np.setdiff1d(np.arange(b.shape[2]), dst)
+    np.testing.assert_array_equal(b[:, :, keep], a[:, :, keep])  # nothing else touched
+  assert int(engine._state.length[3]) == 17
+
+
+def test_budget_errors(target):
+  engine = _engine(target, 8, GREEDY)  # 8 pages of 4 = 32 tokens
+  with pytest.raises(ValueError, match="can never fit"):
+    engine.generate([Request([1] * 10, 0, max_new_tokens=30)])
+  with pytest.raises(ValueError, match="unknown scheduler policy"):
+    _engine(target, 64, GREEDY, policy="lottery").generate(_requests(1))
+  with pytest.raises(ValueError, match="grow_tokens"):
+    SchedulerConfig(grow_tokens=0)
