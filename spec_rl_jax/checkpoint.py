@@ -4,7 +4,8 @@ A run directory holds ``ckpt/<step>/`` with three orbax items:
 
   * ``state``: ``{"params", "opt", "step"}`` — pure pytrees of arrays,
   * ``data``: the grain iterator state (the exact future batches),
-  * ``meta``: JSON — the run config and the model config,
+  * ``meta``: JSON — the run config, the model config and the rollout engine's memory
+    of earlier rollouts per prompt (the ngram proposer's references),
 
 so a killed run resumes with the same future (params, optimizer, data, step; the
 trainer's randomness is a function of the step). `load_model` opens either a run

@@ -54,6 +54,7 @@ class DrafterConfig:
   num_draft_tokens: int = 3  # K
   path: str = "draft"  # draft_model: checkpoint, relative = under the cache
   max_ngram: int = 4  # ngram: longest suffix matched
+  reference_len: int = 0  # ngram: tokens of earlier rollouts of the prompt matched too
 
 
 @dataclasses.dataclass(frozen=True)

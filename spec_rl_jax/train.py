@@ -16,7 +16,8 @@ A step t (sync, staleness 0):
                rollout's target logprobs (rl/learner.py) → new weights to the engine.
 
 The run directory holds ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``,
-``ckpt/`` (params, optimizer, draft params, data iterator, counters; async orbax) and
+``ckpt/`` (params, optimizer, draft params, data iterator, counters, the engine's
+memory of earlier rollouts per prompt (ngram references); async orbax) and
 ``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
 checkpoint with the same future. The draft model is not trained here: its lag behind
 the policy (updates since the draft weights were synced) is logged as
@@ -104,6 +105,7 @@ def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:
       num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
       max_seq_len=-(-need // r.page_size) * r.page_size, max_new_tokens=r.max_new_tokens,
       round_budget=r.round_budget, eos_ids=tuple(eos_ids), seed=r.seed, num_draft_tokens=K,
+      reference_len=cfg.drafter.reference_len if K else 0,
       sampling=SamplingParams(r.temperature, r.top_k, r.top_p))
 
 
@@ -167,7 +169,8 @@ class Trainer:
                  if k not in ("run_dir", "steps", "progress")}
     return {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
                                          "next_request_id": self.step * self.N},
-            "model": checkpoint.config_to_json(self.learner.model().cfg)}
+            "model": checkpoint.config_to_json(self.learner.model().cfg),
+            "rollout_memory": self.engine.memory_state()}
 
   def save(self) -> None:
     self.ckpt.save(self.step, self._ckpt_state(), self.batches, self._meta())
@@ -186,6 +189,7 @@ class Trainer:
       self.proposer.update_params(nnx.merge(draft_graphdef, state.pop("draft")))
     self.learner.state = state
     self.engine.update_params(self.learner.model())
+    self.engine.load_memory_state(meta["rollout_memory"])
 
   # ------------------------------------------------------------------ one step
 

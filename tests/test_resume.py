@@ -1,5 +1,5 @@
 """Kill-and-resume: a run SIGKILLed mid-way and resumed ends with exactly the
-parameters of an uninterrupted run (invariant 4)."""
+parameters of an uninterrupted run (invariant 4), n-gram rollout memory included."""
 
 import os
 import signal
@@ -9,8 +9,9 @@ import time
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
-from spec_rl_jax import checkpoint
+from spec_rl_jax import checkpoint, train
 from spec_rl_jax.config import load_config
 from tests.rl_fixtures import tiny_overrides, write_tiny_models
 
@@ -40,6 +41,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
   killed_dir = str(tmp_path / "killed")
   killed = tiny_overrides(models, killed_dir, **extra)
 
+  # The uninterrupted run goes alongside (independent; the test takes two runs' time).
+  reference_err = tmp_path / "reference.err"
+  reference = subprocess.Popen(_cmd(straight), env=env, stdout=subprocess.DEVNULL,
+                               stderr=reference_err.open("w"))
   proc = subprocess.Popen(_cmd(killed), env=env, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE)
   ckpt_dir = os.path.join(killed_dir, "ckpt")
@@ -55,9 +60,47 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
 
   subprocess.run(_cmd(killed, resume=True), env=env, check=True,
                  stdout=subprocess.DEVNULL)
-  subprocess.run(_cmd(straight), env=env, check=True, stdout=subprocess.DEVNULL)
+  assert reference.wait() == 0, reference_err.read_text()[-2000:]
   a, b = _final_params(str(tmp_path / "straight")), _final_params(killed_dir)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # The resumed run kept its config and continued the step count.
   assert load_config(os.path.join(killed_dir, "config.yaml")).steps == STEPS
+
+
+
+def test_ngram_rollout_memory_resumes(tmp_path):
+  """The engine's memory of earlier rollouts (the ngram proposer's references) is
+  checkpointed: with two prompts revisited every step, a run restored after step 2
+  holds the same references and takes exactly the uninterrupted step 3."""
+  models = write_tiny_models(str(tmp_path / "models"))
+  path = tmp_path / "two.jsonl"
+  path.write_text('{"prompt": "3+4=", "answer": "7"}\n{"prompt": "9-5=", "answer": "4"}\n')
+  cfg = load_config(None, tiny_overrides(
+      models, str(tmp_path / "run"), steps=3, **{
+          "drafter.proposer": "ngram", "drafter.num_draft_tokens": 3,
+          "drafter.reference_len": 48, "data.sources": f"[jsonl:{path}]"}))
+  bar = tqdm(disable=True)
+  first = train.Trainer(cfg)
+  try:
+    for _ in range(2):
+      first.train_step(bar)
+    first.save()
+    first.ckpt.wait()
+    saved = first.engine.memory_state()
+    straight = first.train_step(bar)  # the uninterrupted step 3
+  finally:
+    first.close()
+  assert len(saved["prompts"]) == 2 and all(saved["rollouts"])
+
+  second = train.Trainer(cfg, resume=True)
+  try:
+    assert second.step == 2 and second.engine.memory_state() == saved
+    resumed = second.train_step(bar)
+  finally:
+    second.close()
+  assert second.engine.memory_state() == first.engine.memory_state()
+  assert resumed["spec/acceptance_at"] == straight["spec/acceptance_at"]
+  for x, y in zip(jax.tree.leaves(first.learner.state["params"]),
+                  jax.tree.leaves(second.learner.state["params"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
