@@ -1,81 +1,279 @@
 """RL step time with AR vs speculative rollouts: ``python -m spec_rl_jax.bench.rl``.
 
-The same short GRPO run (the default recipe, no evaluation) twice — ``K = 0`` (AR) and
-``K = drafter.num_draft_tokens`` with the recipe's proposer — reporting the median
-step time split (rollout, reward, update; the first, compiling step excluded), the
-end-to-end speedup, and both reward curves. SD is lossless, so the curves must agree
-statistically: the table gives ``z = (mean_SD - mean_AR) / SE`` over per-step mean
-rewards (|z| < 3 expected). Runs are sequential, AR first.
+The same short GRPO run (the default recipe, no evaluation) with AR rollouts (``K =
+0``) and with speculative rollouts (``K = drafter.num_draft_tokens`` from the recipe's
+proposer, the draft model by default), measured side by side in one process:
+
+  1. **runs** — for each seed, an AR and an SD trainer built from the same
+     (config, seed) take their steps interleaved (AR SD, SD AR, AR SD, ...: machine
+     noise hits both alike). Reported: the median step time split (rollout, reward,
+     update; each trainer's first step, which compiles, reported apart), the median
+     over steps of the per-step ratio AR time / SD time (end-to-end and rollout), and
+     the reward curves. SD is lossless, so the curves must agree within seed noise:
+     the summary gives the SD − AR difference of the final reward (mean of each run's
+     last third of steps, averaged over seeds) next to the seed-to-seed standard
+     deviation of that final reward.
+  2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
+     batch: ``num_slots = N``) × response length ``L = max_new_tokens``, with EOS
+     ignored so every response has exactly ``L`` tokens (as in vLLM's ``ignore_eos``
+     throughput benchmarks; the default policy itself stops after about 20 tokens).
+     Per cell, AR and SD steps interleaved after one compiling step each: the
+     end-to-end and rollout speedups and the rollout share of the AR step. Large
+     batches make CPU decoding compute-bound (verifying K + 1 tokens costs about K + 1
+     times one) and long responses make the rollout a larger share of the step: the
+     sweep shows both.
+
+``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
+minutes. JSON (``--out``), the printed tables and PNG plots next to the JSON
+(``rl_reward_curves.png``, ``rl_speedup.png``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import pathlib
+import statistics
 import tempfile
 
+import jax
 import numpy as np
+from tqdm import tqdm
 
 from spec_rl_jax.bench import common
-from spec_rl_jax.config import load_config
-from spec_rl_jax.rl.metrics import read_metrics
+from spec_rl_jax.config import TrainConfig, load_config
+from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.sft import use_fast_cpu_flags
 from spec_rl_jax.train import Trainer
 
 PHASES = ("rollout", "reward", "update", "step")
+SYSTEMS = ("AR", "SD")
 
 
-def run_one(cfg) -> list[dict]:
-  trainer = Trainer(cfg)
-  try:
-    trainer.run()
-  finally:
-    trainer.close()
-  return read_metrics(cfg.run_dir)
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  seeds: tuple[int, ...]
+  steps: int  # per run, the compiling first step included
+  batches: tuple[tuple[int, int], ...]  # sweep: (prompts_per_step, group_size)
+  lengths: tuple[int, ...]  # sweep: max_new_tokens
+  sweep_steps: int  # measured steps per system and cell (after one compiling step)
 
 
-def summarize(name: str, K: int, records: list[dict]) -> dict:
+FULL = Plan(seeds=(0, 1, 2), steps=12, batches=((2, 8), (8, 8), (32, 8)),
+            lengths=(32, 96), sweep_steps=2)
+QUICK = Plan(seeds=(0, 1), steps=3, batches=((2, 4), (8, 4)), lengths=(16, 48),
+             sweep_steps=1)
+
+
+def variant(base: TrainConfig, run_dir: str, K: int, seed: int = 0) -> TrainConfig:
+  """``base`` with ``K`` drafts, rollout and data ``seed``, no evaluation, no bar."""
+  return dataclasses.replace(
+      base, run_dir=run_dir, progress=False,
+      drafter=dataclasses.replace(base.drafter, num_draft_tokens=K),
+      rollout=dataclasses.replace(base.rollout, seed=seed),
+      data=dataclasses.replace(base.data, seed=seed, eval_n=0))
+
+
+def sweep_config(base: TrainConfig, B: int, G: int, L: int) -> TrainConfig:
+  """``base`` decoding ``B·G`` responses of ``L`` tokens as one batch."""
+  r = base.rollout
+  pages = -(-(r.max_prompt_len + L + base.drafter.num_draft_tokens + 1) // r.page_size)
+  N = B * G
+  return dataclasses.replace(
+      base, rollout=dataclasses.replace(r, prompts_per_step=B, group_size=G,
+                                        max_new_tokens=L, num_slots=N,
+                                        num_pages=N * pages + 8),
+      learner=dataclasses.replace(base.learner, micro_batch_size=min(
+          base.learner.micro_batch_size, N)))
+
+
+def ignore_eos(trainer: Trainer) -> None:
+  """Rebuilds the trainer's engine without EOS ids: responses run to ``L`` tokens."""
+  e = trainer.engine
+  trainer.engine = RolloutEngine(trainer.learner.model(),
+                                 dataclasses.replace(e.config, eos_ids=()),
+                                 trainer.tokenizer, trainer.proposer)
+
+
+def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:
+  """``steps`` train steps of every trainer, alternating which goes first."""
+  bar = tqdm(disable=True)
+  records = {name: [] for name in trainers}
+  names = list(trainers)
+  for t in range(steps):
+    for name in (names if t % 2 == 0 else names[::-1]):
+      records[name].append(trainers[name].train_step(bar))
+  return records
+
+
+def split(records: list[dict]) -> dict:
+  """Median phase times over the warm steps; the first (compiling) step apart."""
   warm = records[1:]
-  row = {"system": name, "K": K, "steps": len(records),
-         **{f"{p}_s": float(np.median([r[f"time/{p}_s"] for r in warm])) for p in PHASES},
-         "acceptance_length": float(np.mean([r["spec/acceptance_length"] for r in warm])),
-         "reward_mean": float(np.mean([r["rollout/reward_mean"] for r in records]))}
-  return row
+  return {**{f"{p}_s": statistics.median(r[f"time/{p}_s"] for r in warm) for p in PHASES},
+          "first_step_s": records[0]["time/step_s"],
+          "acceptance_length": float(np.mean([r["spec/acceptance_length"] for r in warm])),
+          "response_len": float(np.mean([r["rollout/response_len"] for r in warm])),
+          "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm)}
+
+
+def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
+  """Median over warm steps of ``AR time / SD time`` (> 1: SD faster)."""
+  return statistics.median(a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
+                           for a, b in zip(ar[1:], sd[1:]))
+
+
+def _close(trainers: dict[str, Trainer]) -> None:
+  for tr in trainers.values():
+    tr.close()
+
+
+def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict, dict]:
+  """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves)."""
+  K = base.drafter.num_draft_tokens
+  rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
+  finals = {s: [] for s in SYSTEMS}
+  for seed in plan.seeds:
+    trainers = {s: Trainer(variant(base, f"{tmp}/runs/{s}{seed}", k, seed))
+                for s, k in zip(SYSTEMS, (0, K))}
+    try:
+      records = interleave(trainers, plan.steps)
+    finally:
+      _close(trainers)
+    for s in SYSTEMS:
+      rewards = [r["rollout/reward_mean"] for r in records[s]]
+      curves[s][seed] = rewards
+      finals[s].append(float(np.mean(rewards[-max(len(rewards) // 3, 1):])))
+      rows.append({"case": "runs", "seed": seed, "system": s, **split(records[s]),
+                   "reward_mean": float(np.mean(rewards)), "reward_final": finals[s][-1]})
+    for phase in ratios:
+      ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
+                        for a, b in zip(records["AR"][1:], records["SD"][1:])]
+  seed_std = float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
+  diff = float(np.mean(finals["SD"]) - np.mean(finals["AR"]))
+  summary = {
+      "step_speedup_sd_vs_ar_default": statistics.median(ratios["step"]),
+      "rollout_speedup_sd_vs_ar_default": statistics.median(ratios["rollout"]),
+      "final_reward_ar": float(np.mean(finals["AR"])),
+      "final_reward_sd": float(np.mean(finals["SD"])),
+      "final_reward_diff_sd_minus_ar": diff,
+      "final_reward_seed_std": seed_std,
+      "final_reward_diff_over_seed_std": diff / seed_std if seed_std > 0 else 0.0,
+  }
+  return rows, summary, curves
+
+
+def run_sweep(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict]:
+  """Part 2: speedup over rollout batch × response length (EOS ignored)."""
+  K = base.drafter.num_draft_tokens
+  rows, summary = [], {}
+  for L in plan.lengths:
+    for B, G in plan.batches:
+      cfg = sweep_config(base, B, G, L)
+      trainers = {s: Trainer(variant(cfg, f"{tmp}/sweep/{s}_{B}x{G}_{L}", k))
+                  for s, k in zip(SYSTEMS, (0, K))}
+      try:
+        for tr in trainers.values():
+          ignore_eos(tr)
+        records = interleave(trainers, plan.sweep_steps + 1)
+      finally:
+        _close(trainers)
+      N = B * G
+      cell = {"case": f"N={N},L={L}", "N": N, "L": L}
+      stats = {s: split(records[s]) for s in SYSTEMS}
+      step, rollout = (pair_ratio(records["AR"], records["SD"], p) for p in ("step", "rollout"))
+      share = stats["AR"]["rollout_s"] / stats["AR"]["step_s"]
+      for s in SYSTEMS:
+        rows.append({**cell, "system": s, **stats[s], "step_speedup": step,
+                     "rollout_speedup": rollout, "ar_rollout_share": share})
+      summary[f"step_speedup_sd_vs_ar_n{N}_len{L}"] = step
+      summary[f"rollout_speedup_sd_vs_ar_n{N}_len{L}"] = rollout
+      print(f"  sweep N={N} L={L}: step {step:.2f}x, rollout {rollout:.2f}x,"
+            f" AR rollout share {share:.2f}", flush=True)
+  return rows, summary
+
+
+def plot(out: str, curves: dict, sweep_rows: list[dict]) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  folder = pathlib.Path(out).parent
+  paths = [str(folder / "rl_reward_curves.png"), str(folder / "rl_speedup.png")]
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for s, style in zip(SYSTEMS, ("-", "--")):
+    for i, (seed, ys) in enumerate(sorted(curves[s].items())):
+      ax.plot(range(1, len(ys) + 1), ys, style, color=f"C{i}", alpha=0.8,
+              label=f"{s} seed {seed}")
+  ax.set_xlabel("step")
+  ax.set_ylabel("rollout reward (mean)")
+  ax.set_title("GRPO reward: AR (solid) vs SD (dashed) rollouts")
+  ax.legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(paths[0], dpi=120)
+  plt.close(fig)
+
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  sd_rows = [r for r in sweep_rows if r["system"] == "SD"]
+  for L in sorted({r["L"] for r in sd_rows}):
+    cells = sorted((r for r in sd_rows if r["L"] == L), key=lambda r: r["N"])
+    for ax, key in zip(axes, ("step_speedup", "rollout_speedup")):
+      ax.plot([r["N"] for r in cells], [r[key] for r in cells], "o-", label=f"L={L}")
+  for ax, title in zip(axes, ("end-to-end step", "rollout")):
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rollout batch N = prompts x group")
+    ax.set_ylabel("speedup SD vs AR")
+    ax.set_title(f"{title} speedup")
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(paths[1], dpi=120)
+  plt.close(fig)
+  return paths
 
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--config", default=None)
-  parser.add_argument("--quick", action="store_true", help="6 steps instead of 20")
+  parser.add_argument("--config", default=None, help="a recipe (default: the CPU default)")
+  parser.add_argument("--quick", action="store_true", help="fewer seeds, steps and cells")
   parser.add_argument("--out", default=common.default_out("rl"))
-  parser.add_argument("overrides", nargs="*")
+  parser.add_argument("overrides", nargs="*", help="section.field=value for every run")
   args = parser.parse_args(argv)
   use_fast_cpu_flags()
   base = load_config(args.config, args.overrides)
-  steps = 6 if args.quick else 20
-  K = base.drafter.num_draft_tokens
-  rows, curves = [], {}
+  plan = QUICK if args.quick else FULL
   with tempfile.TemporaryDirectory() as tmp:
-    for name, k in (("AR", 0), ("SD", K)):
-      cfg = dataclasses.replace(
-          base, run_dir=f"{tmp}/{name}", steps=steps, progress=False,
-          data=dataclasses.replace(base.data, eval_n=0),
-          drafter=dataclasses.replace(base.drafter, num_draft_tokens=k))
-      records = run_one(cfg)
-      rows.append(summarize(name, k, records))
-      curves[name] = [r["rollout/reward_mean"] for r in records]
-  a, b = np.asarray(curves["AR"]), np.asarray(curves["SD"])
-  se = np.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
-  summary = {"speedup_step": rows[0]["step_s"] / rows[1]["step_s"],
-             "speedup_rollout": rows[0]["rollout_s"] / rows[1]["rollout_s"],
-             "reward_z": float((b.mean() - a.mean()) / se) if se > 0 else 0.0,
-             "proposer": base.drafter.proposer}
-  common.print_table(rows, ["system", "K", "steps", "rollout_s", "reward_s", "update_s",
-                            "step_s", "acceptance_length", "reward_mean"])
-  print(f"end-to-end step speedup {summary['speedup_step']:.2f}x, rollout speedup"
-        f" {summary['speedup_rollout']:.2f}x, reward curves z = {summary['reward_z']:.2f}")
-  common.write_results(args.out, "rl", args.quick, summary, rows, reward_curves=curves)
-  return summary
+    # Trainers of equal shapes (every seed, every system's learner) compile once.
+    jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    run_rows, summary, curves = run_seeds(base, plan, tmp)
+    print(f"runs: {base.rollout.prompts_per_step}x{base.rollout.group_size} responses,"
+          f" max_new_tokens {base.rollout.max_new_tokens}, seeds {list(plan.seeds)},"
+          f" {plan.steps} steps")
+    common.print_table(run_rows, ["seed", "system", "rollout_s", "reward_s", "update_s",
+                                  "step_s", "first_step_s", "acceptance_length",
+                                  "response_len", "reward_mean", "reward_final"])
+    sweep_rows, sweep_summary = run_sweep(base, plan, tmp)
+  summary.update(sweep_summary)
+  step_cells = {k: v for k, v in sweep_summary.items() if k.startswith("step_")}
+  best = max(step_cells, key=step_cells.get)
+  summary["best_step_speedup_setting"], summary["best_step_speedup"] = best, step_cells[best]
+  summary["proposer"] = base.drafter.proposer
+  summary["num_draft_tokens"] = base.drafter.num_draft_tokens
+  print("\nsweep (EOS ignored: every response has L tokens)")
+  common.print_table(sweep_rows, ["case", "system", "rollout_s", "reward_s", "update_s",
+                                  "step_s", "acceptance_length", "step_speedup",
+                                  "rollout_speedup", "ar_rollout_share"])
+  print(f"\ndefault recipe: end-to-end step speedup SD/AR"
+        f" {summary['step_speedup_sd_vs_ar_default']:.2f}x (rollout"
+        f" {summary['rollout_speedup_sd_vs_ar_default']:.2f}x); final reward SD - AR ="
+        f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
+        f" {summary['final_reward_seed_std']:.3f}")
+  result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
+                                reward_curves=curves, plan=dataclasses.asdict(plan))
+  for p in plot(args.out, curves, sweep_rows):
+    print(f"wrote {p}")
+  return result["summary"]
 
 
 if __name__ == "__main__":
