@@ -110,12 +110,12 @@ class LearnerConfig:
 class DataConfig:
   """Prompts (`spec_rl_jax.data.Source` specs) and held-out evaluation."""
 
-  sources: tuple[str, ...] = ("task:arithmetic",)
+  sources: tuple[str, ...] = ("task:countdown",)
   default_reward: str = "math"  # reward of records without a "task" field
   seed: int = 0
   eval_n: int = 100  # held-out prompts per source (0: no evaluation)
   eval_k: int = 4  # samples per held-out prompt
-  eval_every: int = 0  # steps between evaluations (0: only before and after)
+  eval_every: int = 20  # steps between evaluations (0: only before and after)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,7 @@ class TrainConfig:
   """One RL run. ``run_dir`` empty: a fresh ``runs/<timestamp>`` directory."""
 
   run_dir: str = ""
-  steps: int = 40
+  steps: int = 60
   progress: bool = True
   policy: PolicyConfig = PolicyConfig()
   drafter: DrafterConfig = DrafterConfig()

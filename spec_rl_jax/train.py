@@ -3,7 +3,7 @@
 ``python -m spec_rl_jax.train [--config configs/x.yaml] [--resume] [section.field=value ...]``
 
 With no arguments it trains the default policy (``python -m spec_rl_jax.sft`` puts it
-in the cache) on the built-in arithmetic task with speculative rollouts drafted by the
+in the cache) on the built-in countdown task with speculative rollouts drafted by the
 default draft model, on CPU, and reports held-out accuracy before and after.
 
 A step t (sync, staleness 0):
@@ -161,7 +161,7 @@ class Trainer:
     state = {**self.learner.state,
              "counters": {k: np.int64(v) for k, v in dataclasses.asdict(self.counters).items()}}
     if self.draft is not None:
-      state["draft"] = nnx.to_pure_dict(self.proposer.params())
+      state["draft"] = nnx.to_pure_dict(nnx.state(self.draft))
     return state
 
   def _meta(self) -> dict:
@@ -185,8 +185,8 @@ class Trainer:
     self.step = int(self.ckpt.latest_step())
     self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
     if "draft" in state:
-      draft_graphdef = nnx.graphdef(self.draft)
-      self.proposer.update_params(nnx.merge(draft_graphdef, state.pop("draft")))
+      self.draft = nnx.merge(nnx.graphdef(self.draft), state.pop("draft"))
+      self.proposer.update_params(self.draft)
     self.learner.state = state
     self.engine.update_params(self.learner.model())
     self.engine.load_memory_state(meta["rollout_memory"])
