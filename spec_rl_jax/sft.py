@@ -93,7 +93,7 @@ TARGETS: dict[str, SFTConfig] = {
     "policy": SFTConfig(),
     "draft": SFTConfig(model="default-draft"),
     "long-policy": SFTConfig(model="long-policy", steps=200, **_LONG),
-    "long-draft": SFTConfig(model="long-draft", steps=120, **_LONG),
+    "long-draft": SFTConfig(model="long-draft", steps=300, **_LONG),
 }
 DEFAULT_TARGETS = ("policy", "draft")
 

@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_rl_jax import sharding
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
+from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.paged_cache import (PagedKVCache, PagePool, gather_pages, page_bytes,
                                               scatter_pages)
@@ -119,7 +120,8 @@ class RolloutEngine:
     self.proposer = proposer
     if tokenizer is not None:
       check_vocab(tokenizer, model.cfg.vocab_size)
-    self._graphdef, self._params = nnx.split(model)
+    self._graphdef = nnx.graphdef(model)
+    self._params = transformer.inference_weights(model)
     self._pool = PagePool(config.num_pages, config.page_size)
     self._memory: dict[tuple[int, ...], collections.deque] = {}
     leaf = jax.tree.leaves(self._params)[0]
@@ -183,11 +185,11 @@ class RolloutEngine:
     """Writes ``tokens[n, T]`` (left-padded, real lengths ``lens[n]``) into ``pages[n, M]``
     of the policy's and the proposer's caches. Returns ``(logits of the last token
     [n, 1, V], cache, proposer state)``; rows with ``lens = 0`` write nothing."""
-    model = nnx.merge(self._graphdef, params)
     n, T = tokens.shape
     positions = lens[:, None] - T + jnp.arange(T)[None, :]  # pads < 0
-    out = model(tokens, positions, cache=state.cache.replace(page_table=pages),
-                logits_at=jnp.full((n, 1), T - 1))
+    out = transformer.apply(self._graphdef, params, tokens, positions,
+                            cache=state.cache.replace(page_table=pages),
+                            logits_at=jnp.full((n, 1), T - 1))
     proposer_state = state.proposer
     if self.proposer is not None:
       proposer_state = self.proposer.prefill(proposer_params, proposer_state, tokens,
@@ -260,10 +262,11 @@ class RolloutEngine:
 
   def _verify_phase(self, params, st: SlotState, drafts):
     """One target forward over ``[last, drafts]`` (K+1 positions per active slot)."""
-    model = nnx.merge(self._graphdef, params)
     K = drafts.shape[1]
     positions = jnp.where(st.active[:, None], st.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    return model(jnp.concatenate([st.last[:, None], drafts], 1), positions, cache=st.cache)
+    return transformer.apply(self._graphdef, params,
+                             jnp.concatenate([st.last[:, None], drafts], 1), positions,
+                             cache=st.cache)
 
   def _round(self, params, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
     """One round: propose K, verify K+1, emit 1..K+1 tokens per active slot."""
@@ -330,7 +333,7 @@ class RolloutEngine:
     """Uses ``model``'s weights for the next rollouts (same config required)."""
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a model with the engine's ModelConfig")
-    self._params = nnx.state(model)
+    self._params = transformer.inference_weights(model)
 
   def memory_state(self) -> dict:
     """The per-prompt rollout memory (n-gram references) as JSON-able lists, newest

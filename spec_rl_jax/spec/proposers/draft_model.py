@@ -15,11 +15,14 @@ Drafts at rejected positions stay in the draft cache and are overwritten later.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.paged_cache import PagedKVCache
 from spec_rl_jax.rollout.types import EngineConfig
@@ -49,7 +52,8 @@ class DraftModelProposer:
     if tokenizer is not None and policy_tokenizer is not None:
       check_tokenizers_match(policy_tokenizer, tokenizer)
     self.model_config = model.cfg
-    self._graphdef, self._params = nnx.split(model)
+    self._graphdef = nnx.graphdef(model)
+    self._params = transformer.inference_weights(model)
 
   @property
   def vocab_size(self) -> int:
@@ -61,21 +65,21 @@ class DraftModelProposer:
   def update_params(self, model: Decoder) -> None:
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a draft model with the same ModelConfig")
-    self._params = nnx.state(model)
+    self._params = transformer.inference_weights(model)
 
   def init_state(self, config: EngineConfig) -> PagedKVCache:
     return PagedKVCache.init(self.model_config, config.num_slots, config.num_pages,
                              config.page_size, config.max_pages_per_slot)
 
   def prefill(self, params, state: PagedKVCache, tokens, positions, pages) -> PagedKVCache:
-    model = nnx.merge(self._graphdef, params)
-    out = model(tokens, positions, cache=state.replace(page_table=pages),
-                logits_at=jnp.zeros((tokens.shape[0], 1), jnp.int32))
+    out = transformer.apply(self._graphdef, params, tokens, positions,
+                            cache=state.replace(page_table=pages),
+                            logits_at=jnp.zeros((tokens.shape[0], 1), jnp.int32))
     return out.cache.replace(page_table=state.page_table)
 
   def propose(self, params, state: PagedKVCache, ctx: DraftContext, num_draft: int,
               sampling):
-    model = nnx.merge(self._graphdef, params)
+    model = functools.partial(transformer.apply, self._graphdef, params)
     S = ctx.last.shape[0]
     cache = state.replace(page_table=ctx.page_table)
     prev = jnp.take_along_axis(ctx.history, jnp.maximum(ctx.length - 1, 0)[:, None], 1)[:, 0]

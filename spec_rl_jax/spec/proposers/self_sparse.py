@@ -29,6 +29,7 @@ KV heads, ``G = H // Hk``, ``Dh`` head dim, ``M`` pages per slot, ``B`` selected
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 import kernels_pallas
+from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.types import EngineConfig
 from spec_rl_jax.spec.proposers.base import DraftContext, register, sample_drafts
@@ -161,7 +163,7 @@ class SelfSparseProposer:
 
   def propose(self, params, state, ctx: DraftContext, num_draft: int, sampling):
     del params
-    model = nnx.merge(self._graphdef, ctx.target_params)
+    model = functools.partial(transformer.apply, self._graphdef, ctx.target_params)
     cfg, S = self.model_config, ctx.last.shape[0]
     k_pages = ctx.cache.layers[0]
     B = self.budget.size(ctx.page_table.shape[1])
