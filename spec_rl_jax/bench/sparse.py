@@ -1,7 +1,8 @@
 """Self-sparse speculative rollouts and the KV-aware scheduler on the long-response
 workload: ``python -m spec_rl_jax.bench.sparse``.
 
-Workload: the counting task (tasks/counting.py: responses of ~400-1,100 tokens) with the
+Workload: the counting task (tasks/counting.py; here spans of 100-200 numbers, responses
+of ~450-900 tokens) with the
 ``long-policy`` / ``long-draft`` models (trained into the cache on first use, a few
 minutes: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, RL
 sampling (temperature 1). Throughput counts emitted tokens only.
@@ -94,12 +95,12 @@ def main(argv=None) -> dict:
   cfg, dcfg = policy.cfg, draft.cfg
   quick = args.quick
   B = 4 if quick else 8
-  spans = (30, 60) if quick else (150, 250)
-  max_seq = 384 if quick else 1280
+  spans = (30, 60) if quick else (100, 200)
+  max_seq = 384 if quick else 1024
   page_size = 16
   fracs = [0.125, 0.25] if quick else [0.0625, 0.125, 0.25, 0.5]
-  ks = [4] if quick else [2, 4, 6]
-  reps = 1 if quick else 2
+  ks = [4] if quick else [2, 4]
+  reps = 1
   sampling = SamplingParams(temperature=1.0)
   ps = prompts(tok, B, spans)
   base = dict(num_slots=B, page_size=page_size, max_seq_len=max_seq,
@@ -111,11 +112,9 @@ def main(argv=None) -> dict:
 
   def add(name, K, proposer, frac=None):
     engine = RolloutEngine(policy, EngineConfig(num_draft_tokens=K, **base), tok, proposer)
-    state = {"i": 0}
 
-    def run():
-      state["i"] += 1
-      res = engine.generate([Request(p, 10_000 * state["i"] + j) for j, p in enumerate(ps)])
+    def run():  # the same requests every time: the warm-up compiles every path taken
+      res = engine.generate([Request(p, j) for j, p in enumerate(ps)])
       last[name] = res
       return res.metrics["emitted_tokens"]
 
@@ -132,8 +131,10 @@ def main(argv=None) -> dict:
       "self_sparse", model=policy, budget=PageBudget(n_sink=1, n_window=2, fraction=0.25),
       reselect=False), 0.25)
   add(f"draft_model_k{K0}", K0, make_proposer("draft_model", model=draft))
+  for fn in systems.values():  # warm-up: compiles (timed runs must not compile)
+    fn()
   with common.CompileCounter() as compiles:
-    res = common.alternate(systems, reps=reps, warmup=1, baseline="ar")
+    res = common.alternate(systems, reps=reps, warmup=0, baseline="ar")
 
   rows, curves = [], {}
   for name in systems:
@@ -197,19 +198,19 @@ def scheduler_part(policy, tok, quick, ps, base):
   for name in ("kv_aware", "naive"):
     engines[name] = RolloutEngine(policy, EngineConfig(
         scheduler=SchedulerConfig(policy=name, grow_tokens=128), **cfg), tok)
-  state = {"i": 0}
 
   def runner(name):
-    def run():
-      state["i"] += 1
-      res = engines[name].generate([Request(p, 7_000_000 + 1000 * state["i"] + j)
-                                    for j, p in enumerate(ps)])
+    def run():  # the same requests every time (same schedule: no compiles when timed)
+      res = engines[name].generate([Request(p, j) for j, p in enumerate(ps)])
       last[name] = res
       return res.metrics["emitted_tokens"]
     return run
 
-  res = common.alternate({n: runner(n) for n in engines}, reps=1 if quick else 2, warmup=1,
-                         baseline="naive")
+  runners = {n: runner(n) for n in engines}
+  for fn in runners.values():  # warm-up
+    fn()
+  with common.CompileCounter() as compiles:
+    res = common.alternate(runners, reps=1 if quick else 2, warmup=0, baseline="naive")
   rows = []
   for name in engines:
     m = last[name].metrics
@@ -225,6 +226,7 @@ def scheduler_part(policy, tok, quick, ps, base):
       "scheduler_kv_bytes_naive_over_kv_aware": (moved["naive"] / moved["kv_aware"]
                                                  if moved["kv_aware"] else float("inf")),
       "scheduler_throughput_kv_aware_vs_naive": res["ratio"]["kv_aware"],
+      "scheduler_compiles_during_runs": compiles.count,
   }
 
 
