@@ -6,7 +6,6 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
