@@ -79,35 +79,14 @@ def read_per_emitted(system: str, cfg, draft_cfg, ctx: float, K: int, acc: float
   return (full + K * (kv_bytes_per_token(cfg, selected) + bounds)) / acc
 
 
-def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true")
-  ap.add_argument("--out", default=common.default_out("sparse"))
-  args = ap.parse_args(argv)
-
+def decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps):
+  """AR vs self-sparse (budgets x K, per-step vs per-round selection) vs draft model."""
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
-  from spec_rl_jax.sampling import SamplingParams
   from spec_rl_jax.spec.proposers import make_proposer
   from spec_rl_jax.spec.proposers.self_sparse import PageBudget
 
-  policy, draft, tok = ensure_long_models()
-  cfg, dcfg = policy.cfg, draft.cfg
-  quick = args.quick
-  B = 4 if quick else 8
-  spans = (30, 60) if quick else (100, 200)
-  max_seq = 384 if quick else 1024
-  page_size = 16
-  fracs = [0.125, 0.25] if quick else [0.0625, 0.125, 0.25, 0.5]
-  ks = [4] if quick else [2, 4]
-  reps = 1
-  sampling = SamplingParams(temperature=1.0)
-  ps = prompts(tok, B, spans)
-  base = dict(num_slots=B, page_size=page_size, max_seq_len=max_seq,
-              max_new_tokens=max_seq - 64, round_budget=64, sampling=sampling,
-              eos_ids=tok.eos_ids, num_pages=B * max_seq // page_size)
-  print(f"machine {common.machine_info()}; B={B} spans={spans} budgets={fracs} K={ks}")
-
+  cfg, dcfg, page_size = policy.cfg, draft.cfg, base["page_size"]
   systems, meta, last = {}, {}, {}
 
   def add(name, K, proposer, frac=None):
@@ -173,17 +152,52 @@ def main(argv=None) -> dict:
       "compiles_during_timed_runs": compiles.count,
   }
 
-  sched_rows, sched = scheduler_part(policy, tok, quick,
-                                     ps if quick else prompts(tok, 16, spans, 1), base)
-  summary.update(sched)
-  print()
-  common.print_table(sched_rows, ["policy", "tokens_per_s", "throughput_vs_naive",
-                                  "preemptions", "offloads", "recomputes", "kv_bytes_moved",
-                                  "recompute_tokens", "slot_utilization"])
+  return rows, summary, curves
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--out", default=common.default_out("sparse"))
+  ap.add_argument("--parts", default="decode,scheduler", help="decode and/or scheduler")
+  args = ap.parse_args(argv)
+  parts = args.parts.split(",")
+
+  from spec_rl_jax.sampling import SamplingParams
+
+  policy, draft, tok = ensure_long_models()
+  quick = args.quick
+  B = 4 if quick else 8
+  spans = (30, 60) if quick else (100, 200)
+  max_seq = 384 if quick else 1024
+  page_size = 16
+  fracs = [0.125, 0.25] if quick else [0.0625, 0.125, 0.25, 0.5]
+  ks = [4] if quick else [2, 4]
+  reps = 1
+  sampling = SamplingParams(temperature=1.0)
+  ps = prompts(tok, B, spans)
+  base = dict(num_slots=B, page_size=page_size, max_seq_len=max_seq,
+              max_new_tokens=max_seq - 64, round_budget=64, sampling=sampling,
+              eos_ids=tok.eos_ids, num_pages=B * max_seq // page_size)
+  print(f"machine {common.machine_info()}; B={B} spans={spans} budgets={fracs} K={ks}")
+
+  rows, summary, sched_rows = [], {}, []
+  if "decode" in parts:
+    rows, summary, curves = decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps)
+    _plot(curves, args.out)
+  if "scheduler" in parts:
+    sched_rows, sched = scheduler_part(policy, tok, quick,
+                                       ps if quick else prompts(tok, 16, spans, 1), base)
+    summary.update(sched)
+    print()
+    common.print_table(sched_rows, ["policy", "tokens_per_s", "throughput_vs_naive",
+                                    "preemptions", "offloads", "recomputes", "kv_bytes_moved",
+                                    "recompute_tokens", "slot_utilization"])
   print("\nsummary:", {k: v for k, v in summary.items() if k != "acceptance_length"})
-  _plot(curves, args.out)
   return common.write_results(args.out, "sparse", quick, summary,
                               rows + [dict(r, part="scheduler") for r in sched_rows])
+
+
 
 
 def scheduler_part(policy, tok, quick, ps, base):
@@ -243,7 +257,10 @@ def _plot(curves, out: str) -> None:
          xscale="log")
   a2.axhline(1.0, color="gray", ls="--")
   a2.set(xlabel="page budget (fraction of context)", ylabel="speedup vs AR", xscale="log")
+  budgets = sorted({p[0] for pts in curves.values() for p in pts})
   for a in (a1, a2):
+    a.set_xticks(budgets, [f"{b:g}" for b in budgets])
+    a.minorticks_off()
     a.legend()
     a.grid(alpha=0.3)
   fig.suptitle("self-sparse speculative rollouts (counting workload)")

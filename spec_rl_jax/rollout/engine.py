@@ -124,6 +124,7 @@ class RolloutEngine:
     self._params = transformer.inference_weights(model)
     self._pool = PagePool(config.num_pages, config.page_size)
     self._memory: dict[tuple[int, ...], collections.deque] = {}
+    self._length_prior: float | None = None  # running mean response length (scheduler)
     leaf = jax.tree.leaves(self._params)[0]
     mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
             else sharding.make_mesh((1, 1, 1)))
@@ -401,7 +402,7 @@ class RolloutEngine:
     self._state = self._state.replace(group=jax.device_put(np.full(group.shape, -1, np.int32),
                                                            group.sharding))
     sched = Scheduler(c.scheduler, self._pool, c.num_slots, K + 1, requests,
-                      lambda r: len(r.prompt) + self._max_new(r) + K)
+                      lambda r: len(r.prompt) + self._max_new(r) + K, self._length_prior)
     done: dict[int, Response] = {}
     trace = []  # per device call: (rounds, busy slot fraction)
 
@@ -436,6 +437,9 @@ class RolloutEngine:
       if finished:
         self._collect([sched.finish(slot) for slot in finished], finished, done)
     self.stats.update(sched.stats)
+    if (mean := sched.mean_response_length()) is not None:  # RL steps look alike
+      self._length_prior = mean if self._length_prior is None else (
+          0.5 * self._length_prior + 0.5 * mean)
     responses = [done[r.request_id] for r in requests]
     metrics = self._metrics(before, stats0, responses, time.perf_counter() - t0)
     metrics["utilization_trace"] = trace

@@ -19,7 +19,8 @@ Policies (registry, one signature — `Policy`):
   ``kv_aware``  admission control: admit only while the pool covers the pages every
                 running sequence and the newcomer are still expected to take (their
                 expected length: the mean response length finished so far in this call,
-                at first the request's cap) plus ``watermark`` of the pool; victims are
+                before that the engine's running mean over earlier calls, at first the
+                request's cap) plus ``watermark`` of the pool; victims are
                 the sequences that are cheapest to bring back (fewest pages; the
                 shortest are recomputed, not offloaded); a preempted sequence comes
                 back under the same rule as admission, so it is not preempted again
@@ -136,7 +137,8 @@ class Scheduler:
   lengths and finished slots back."""
 
   def __init__(self, config: SchedulerConfig, pool: PagePool, num_slots: int,
-               round_tokens: int, requests, max_tokens: Callable[[Any], int]):
+               round_tokens: int, requests, max_tokens: Callable[[Any], int],
+               length_prior: float | None = None):
     if config.policy not in POLICIES:
       raise ValueError(f"unknown scheduler policy {config.policy!r}; registered:"
                        f" {sorted(POLICIES)}")
@@ -151,6 +153,7 @@ class Scheduler:
     self.watermark_pages = int(config.watermark * pool.num_pages)
     self.stats = collections.Counter()
     self._finished_lens: list[int] = []  # response lengths finished in this call
+    self._length_prior = length_prior  # mean response length of earlier calls, if any
 
   def busy(self) -> bool:
     return bool(self.queue or self.preempted or self.running)
@@ -168,8 +171,10 @@ class Scheduler:
     prompt = len(seq.request.prompt)
     cap = seq.max_tokens - prompt  # max_new + K
     done = seq.length - prompt
-    mean = (sum(self._finished_lens) / len(self._finished_lens) if self._finished_lens
-            else cap)
+    if self._finished_lens:
+      mean = sum(self._finished_lens) / len(self._finished_lens)
+    else:
+      mean = cap if self._length_prior is None else self._length_prior
     total = min(seq.max_tokens, prompt + max(mean + self.round_tokens, done + self.round_tokens))
     return max(0, self.pages_for(int(total)) - pages)
 
@@ -177,6 +182,11 @@ class Scheduler:
     """Pages ``seq`` needs before it can run one more round."""
     need = self.pages_for(min(seq.length + self.round_tokens, seq.max_tokens))
     return max(0, need - len(seq.pages))
+
+  def mean_response_length(self) -> float | None:
+    """Mean response length finished in this call (``None`` if none finished)."""
+    return (sum(self._finished_lens) / len(self._finished_lens) if self._finished_lens
+            else None)
 
   def finish(self, slot: int) -> SeqState:
     seq = self.running.pop(slot)
