@@ -55,6 +55,10 @@ class DrafterConfig:
   path: str = "draft"  # draft_model: checkpoint, relative = under the cache
   max_ngram: int = 4  # ngram: longest suffix matched
   reference_len: int = 0  # ngram: tokens of earlier rollouts of the prompt matched too
+  sparse_budget: float = 0.25  # self_sparse: fraction of the context's KV pages per step
+  sparse_sinks: int = 1  # self_sparse: first pages always read
+  sparse_window: int = 2  # self_sparse: newest pages always read
+  sparse_reselect: bool = True  # self_sparse: choose pages every draft step (else per round)
 
 
 @dataclasses.dataclass(frozen=True)

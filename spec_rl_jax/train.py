@@ -54,6 +54,7 @@ from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.sft import use_fast_cpu_flags
 from spec_rl_jax.spec.proposers import Proposer, make_proposer
+from spec_rl_jax.spec.proposers.self_sparse import PageBudget
 
 # Shape legend: B prompts per step, G group size, N = B·G responses, T time.
 
@@ -80,21 +81,34 @@ def ensure_default_models(cfg: TrainConfig) -> None:
     sft.produce([t for t in sft.TARGETS if t in missing], {})
 
 
-def _draft_model(cfg: DrafterConfig, tokenizer: Tokenizer) -> tuple[Proposer, Decoder]:
+def _draft_model(cfg: DrafterConfig, tokenizer: Tokenizer,
+                 policy: Decoder) -> tuple[Proposer, Decoder]:
+  del policy
   draft, draft_tok = checkpoint.load_model(resolve_path(cfg.path))
   return make_proposer("draft_model", model=draft, tokenizer=draft_tok,
                        policy_tokenizer=tokenizer), draft
 
 
-def _ngram(cfg: DrafterConfig, tokenizer: Tokenizer) -> tuple[Proposer, None]:
-  del tokenizer
+def _ngram(cfg: DrafterConfig, tokenizer: Tokenizer, policy: Decoder) -> tuple[Proposer, None]:
+  del tokenizer, policy
   return make_proposer("ngram", max_ngram=cfg.max_ngram), None
 
 
-# drafter config, policy tokenizer -> (proposer, draft model or None if model-free)
-PROPOSERS: dict[str, Callable[[DrafterConfig, Tokenizer], tuple[Proposer, Decoder | None]]] = {
+def _self_sparse(cfg: DrafterConfig, tokenizer: Tokenizer,
+                 policy: Decoder) -> tuple[Proposer, None]:
+  del tokenizer
+  budget = PageBudget(n_sink=cfg.sparse_sinks, n_window=cfg.sparse_window,
+                      fraction=cfg.sparse_budget)
+  return make_proposer("self_sparse", model=policy, budget=budget,
+                       reselect=cfg.sparse_reselect), None
+
+
+# drafter config, policy tokenizer, policy -> (proposer, draft model or None if none)
+PROPOSERS: dict[str, Callable[[DrafterConfig, Tokenizer, Decoder],
+                              tuple[Proposer, Decoder | None]]] = {
     "draft_model": _draft_model,
     "ngram": _ngram,
+    "self_sparse": _self_sparse,
 }
 
 
@@ -143,7 +157,7 @@ class Trainer:
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens)
     self.learner.check_batch_size(self.N)
     K = cfg.drafter.num_draft_tokens
-    self.proposer, self.draft = (PROPOSERS[cfg.drafter.proposer](cfg.drafter, tokenizer)
+    self.proposer, self.draft = (PROPOSERS[cfg.drafter.proposer](cfg.drafter, tokenizer, policy)
                                  if K else (None, None))
     self.engine = RolloutEngine(policy, engine_config(cfg, tokenizer.eos_ids), tokenizer,
                                 self.proposer)

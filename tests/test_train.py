@@ -17,7 +17,8 @@ def models(tmp_path_factory):
   return write_tiny_models(str(tmp_path_factory.mktemp("models")))
 
 
-@pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", 2), ("draft_model", 0)])
+@pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", 2), ("self_sparse", 2),
+                                        ("draft_model", 0)])
 def test_few_steps_each_proposer(models, tmp_path, proposer, K):
   run_dir = str(tmp_path / "run")
   overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": proposer,
