@@ -2,7 +2,7 @@
 
 import pytest
 import transformers
-from hypothesis import given, settings, strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
 from spec_rl_jax.data import SFTEncoder
 from spec_rl_jax.models.config import get_preset
@@ -21,7 +21,9 @@ def tok():
 @pytest.mark.parametrize("name", list(TASKS))
 def test_round_trips_every_task_string(tok, name):
   for difficulty in ({}, {"arithmetic": {"max_digits": 12, "terms": 5},
-                          "countdown": {"num_numbers": 6, "max_number": 999}}[name]):
+                          "countdown": {"num_numbers": 6, "max_number": 999},
+                          "counting": {"max_start": 99_999, "min_span": 2, "max_span": 30}
+                          }[name]):
     for r in unique_records(get_task(name, **difficulty), "train", 7, 300):
       for text in (r["prompt"], r["answer"], SFTEncoder(tok).template.format(**r)):
         ids = tok.encode(text)
@@ -32,6 +34,9 @@ def test_round_trips_every_task_string(tok, name):
 @settings(max_examples=100, deadline=None)
 @given(text=st.text(max_size=50))
 def test_round_trips_any_text(tok, text):
+  # The special tokens' own spellings encode to the special ids, which decoding skips
+  # (as in every HF tokenizer); all other text round-trips.
+  assume(EOS not in text and PAD not in text)
   assert tok.decode(tok.encode(text)) == text
 
 
