@@ -152,7 +152,7 @@ class Scheduler:
     self._ticks = itertools.count()
     self.watermark_pages = int(config.watermark * pool.num_pages)
     self.stats = collections.Counter()
-    self._finished_lens: list[int] = []  # response lengths finished in this call
+    self._finished = [0, 0]  # responses finished in this call: count, total length
     self._length_prior = length_prior  # mean response length of earlier calls, if any
 
   def busy(self) -> bool:
@@ -171,9 +171,8 @@ class Scheduler:
     prompt = len(seq.request.prompt)
     cap = seq.max_tokens - prompt  # max_new + K
     done = seq.length - prompt
-    if self._finished_lens:
-      mean = sum(self._finished_lens) / len(self._finished_lens)
-    else:
+    mean = self.mean_response_length()
+    if mean is None:
       mean = cap if self._length_prior is None else self._length_prior
     total = min(seq.max_tokens, prompt + max(mean + self.round_tokens, done + self.round_tokens))
     return max(0, self.pages_for(int(total)) - pages)
@@ -185,12 +184,13 @@ class Scheduler:
 
   def mean_response_length(self) -> float | None:
     """Mean response length finished in this call (``None`` if none finished)."""
-    return (sum(self._finished_lens) / len(self._finished_lens) if self._finished_lens
-            else None)
+    count, total = self._finished
+    return total / count if count else None
 
   def finish(self, slot: int) -> SeqState:
     seq = self.running.pop(slot)
-    self._finished_lens.append(seq.length - len(seq.request.prompt) + 1)
+    self._finished[0] += 1
+    self._finished[1] += seq.length - len(seq.request.prompt) + 1
     self.pool.release(seq.pages)
     seq.pages = []
     self.free_slots.append(slot)
