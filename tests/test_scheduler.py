@@ -127,3 +127,22 @@ def test_budget_errors(target):
     _engine(target, 64, GREEDY, policy="lottery").generate(_requests(1))
   with pytest.raises(ValueError, match="grow_tokens"):
     SchedulerConfig(grow_tokens=0)
+
+
+@pytest.mark.parametrize("extra_pages", [0, -1])
+def test_kv_aware_admits_every_slot_when_the_pool_covers_every_cap(extra_pages):
+  """With pages for every slot's worst case the watermark must not hold requests back
+  (it did: 32 slots with exactly 32 caps of pages ran 28 and then 4); one page fewer
+  and the expected-length rule (cap at first, plus the watermark) applies again."""
+  from spec_rl_jax.rollout.paged_cache import PagePool
+  from spec_rl_jax.rollout.scheduler import Scheduler
+  slots, cap = 8, 12  # pages per request: (prompt 64 + 128 new) / page size 16
+  reqs = [Request([1] * 64, i, max_new_tokens=128) for i in range(slots)]
+  sched = Scheduler(SchedulerConfig(grow_tokens=256), PagePool(slots * cap + extra_pages, 16),
+                    num_slots=slots, round_tokens=1, requests=reqs,
+                    max_tokens=lambda r: len(r.prompt) + r.max_new_tokens)
+  admitted = 0
+  while sched.admit_next() is not None:
+    admitted += 1
+  assert admitted == (slots if extra_pages == 0 else slots - 1)
+  assert sched.stats["admission_waits"] == (0 if extra_pages == 0 else 1)

@@ -16,12 +16,13 @@ had never stopped.
 
 Policies (registry, one signature — `Policy`):
 
-  ``kv_aware``  admission control: admit only while the pool covers the pages every
-                running sequence and the newcomer are still expected to take (their
-                expected length: the mean response length finished so far in this call,
-                before that the engine's running mean over earlier calls, at first the
-                request's cap) plus ``watermark`` of the pool; victims are
-                the sequences that are cheapest to bring back (fewest pages; the
+  ``kv_aware``  admission control: admit when the pool covers every sequence up to
+                its cap (no preemption can follow); otherwise only while it covers
+                the pages every running sequence and the newcomer are still expected
+                to take (their expected length: the mean response length finished
+                so far in this call, before that the engine's running mean over
+                earlier calls, at first the request's cap) plus ``watermark`` of the
+                pool; victims are the sequences that are cheapest to bring back (fewest pages; the
                 shortest are recomputed, not offloaded); a preempted sequence comes
                 back under the same rule as admission, so it is not preempted again
                 at once (hysteresis).
@@ -105,7 +106,12 @@ def _take_until(order: list[SeqState], short: int, mode: Callable[[SeqState], st
 
 
 def _kv_aware_admit(s: "Scheduler", seq: SeqState, pages: int) -> bool:
-  # Pages the running sequences and the newcomer are still expected to take.
+  # Safe: the pool covers every sequence up to its cap, so no preemption can follow.
+  worst = sum(s.pages_for(q.max_tokens) - len(q.pages) for q in s.running.values())
+  if s.pool.num_free >= worst + s.pages_for(seq.max_tokens):
+    return True
+  # Otherwise: the pages the running sequences and the newcomer are still expected to
+  # take, plus the watermark.
   expected = sum(s.expected_growth(q, len(q.pages)) for q in s.running.values())
   expected += pages + s.expected_growth(seq, pages)
   return s.pool.num_free >= expected + s.watermark_pages
