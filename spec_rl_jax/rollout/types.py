@@ -98,7 +98,7 @@ class RolloutResult:
   ``recomputes``, ``restores``, ``offload_bytes``, ``restore_bytes``,
   ``recompute_tokens`` (rollout/scheduler.py), and with drafting
   ``draft_time_frac`` (share of a round spent proposing, from one timed propose call
-  and one timed verify forward on the final state).
+  and one timed verify forward on the state after the engine's first rollout).
   """
 
   responses: list[Response]
