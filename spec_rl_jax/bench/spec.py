@@ -2,13 +2,15 @@
 
 Workload: the default policy and draft model (``python -m spec_rl_jax.sft`` puts them in
 the cache; ``--policy/--draft`` point elsewhere), prompts from the held-out split of the
-built-in tasks, RL sampling (temperature 1, EOS on). For each batch size ``B`` the
-engine runs AR (K = 0) and SD with each proposer at each ``K``; all systems of one ``B``
-alternate A B A B after a warm-up that compiles them (compile time reported apart).
-Throughput counts emitted tokens only.
+built-in tasks, RL sampling (temperature 1, EOS on). For each batch size ``B`` (engine
+slots) the engine runs AR (K = 0) and SD with each proposer at each ``K`` on
+``max(B, MIN_REQUESTS)`` requests (at B=1 they run one after another: one response of
+a few dozen tokens is too short to time); all systems of one ``B`` alternate A B A B
+after a warm-up that compiles them (compile time reported apart). Throughput counts
+emitted tokens only.
 
 Peers at batch 1 (their only supported batch size), same exported weights, same
-prompts and sampling: ``transformers`` assisted generation (``assistant_model``) and
+prompts one after another, same sampling: ``transformers`` assisted generation (``assistant_model``) and
 prompt-lookup decoding (``prompt_lookup_num_tokens``), set up for speed as in
 bench/rollout.py.
 
@@ -25,6 +27,9 @@ import time
 import numpy as np
 
 from spec_rl_jax.bench import common
+
+
+MIN_REQUESTS = 8  # requests per timed run, whatever the batch size
 
 
 def _load(path: str):
@@ -77,7 +82,7 @@ def main(argv=None) -> dict:
 
   rows, summary, curves = [], {}, {}
   for B in batch_sizes:
-    prompts = _prompts(tokenizer, B)
+    prompts = _prompts(tokenizer, max(B, MIN_REQUESTS))
     max_seq = -(-(max(map(len, prompts)) + max_new + max(ks)) // 16) * 16
     engines = {}
     for name, K in [("ar", 0)] + [(p, k) for p in proposers for k in ks]:
@@ -136,14 +141,17 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
   load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
       d, dtype=torch.float32, attn_implementation="sdpa").eval()
   hf, hf_draft = load(policy_dir), load(draft_dir)
-  ids = torch.as_tensor([prompts[0]])
+  batches = [torch.as_tensor([p]) for p in prompts]
 
   def hf_run(**kw):
     def go():
+      emitted = 0
       with torch.inference_mode():
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                          temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new, **kw)
-      return int(out.shape[1] - ids.shape[1])
+        for ids in batches:  # batch 1: one request after another, as our one slot does
+          out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                            temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new, **kw)
+          emitted += int(out.shape[1] - ids.shape[1])
+      return emitted
     return go
 
   hf_systems = {
