@@ -9,7 +9,8 @@ import pytest
 
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.rollout.engine import RolloutEngine
-from spec_rl_jax.rollout.scheduler import SchedulerConfig
+from spec_rl_jax.rollout.paged_cache import PagePool
+from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.spec.proposers import make_proposer
@@ -134,8 +135,6 @@ def test_kv_aware_admits_every_slot_when_the_pool_covers_every_cap(extra_pages):
   """With pages for every slot's worst case the watermark must not hold requests back
   (it did: 32 slots with exactly 32 caps of pages ran 28 and then 4); one page fewer
   and the expected-length rule (cap at first, plus the watermark) applies again."""
-  from spec_rl_jax.rollout.paged_cache import PagePool
-  from spec_rl_jax.rollout.scheduler import Scheduler
   slots, cap = 8, 12  # pages per request: (prompt 64 + 128 new) / page size 16
   reqs = [Request([1] * 64, i, max_new_tokens=128) for i in range(slots)]
   sched = Scheduler(SchedulerConfig(grow_tokens=256), PagePool(slots * cap + extra_pages, 16),

@@ -10,9 +10,9 @@ after a warm-up that compiles them (compile time reported apart). Throughput cou
 emitted tokens only.
 
 Peers at batch 1 (their only supported batch size), same exported weights, same
-prompts one after another, same sampling: ``transformers`` assisted generation (``assistant_model``) and
-prompt-lookup decoding (``prompt_lookup_num_tokens``), set up for speed as in
-bench/rollout.py.
+prompts one after another, same sampling: ``transformers`` assisted generation
+(``assistant_model``) and prompt-lookup decoding (``prompt_lookup_num_tokens``), set up
+for speed as in bench/rollout.py.
 
 Writes JSON (``summary``: best SD/AR speedup per proposer at B=1 and B=8, ours vs
 transformers assisted) and a PNG of speedup vs K per batch size.

@@ -22,10 +22,10 @@ Policies (registry, one signature — `Policy`):
                 to take (their expected length: the mean response length finished
                 so far in this call, before that the engine's running mean over
                 earlier calls, at first the request's cap) plus ``watermark`` of the
-                pool; victims are the sequences that are cheapest to bring back (fewest pages; the
-                shortest are recomputed, not offloaded); a preempted sequence comes
-                back under the same rule as admission, so it is not preempted again
-                at once (hysteresis).
+                pool; victims are the sequences that are cheapest to bring back
+                (fewest pages; the shortest are recomputed, not offloaded); a
+                preempted sequence comes back under the same rule as admission, so
+                it is not preempted again at once (hysteresis).
   ``naive``     admit whenever the prompt's pages fit, preempt the newest sequence by
                 offloading, restore as soon as its pages fit.
 
