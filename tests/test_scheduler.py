@@ -10,7 +10,7 @@ import pytest
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.paged_cache import PagePool
-from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
+from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig, SeqState
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.spec.proposers import make_proposer
@@ -145,3 +145,30 @@ def test_kv_aware_admits_every_slot_when_the_pool_covers_every_cap(extra_pages):
     admitted += 1
   assert admitted == (slots if extra_pages == 0 else slots - 1)
   assert sched.stats["admission_waits"] == (0 if extra_pages == 0 else 1)
+
+
+def test_expected_peak_counts_the_pages_freed_by_finishes():
+  """Hand-computed: every earlier response had 20 tokens (page size 4, K = 0).
+
+  Running A (prompt 4, 12 tokens generated, 5 pages) finishes within 8 more tokens
+  and holds at most ceil(21 / 4) = 6 pages; newcomer B (prompt 4, 2 pages) holds up to
+  ceil(21 / 4) = 6 pages at t = 16. The peak is at t = 4: A 6 + B ceil(9 / 4) = 3, i.e.
+  9 pages, not the 12 of both at their largest. With A just started both peak at
+  t = 16 (6 + 6). With no finished response yet B counts as running to its cap: 16."""
+  def sched(history):
+    reqs = [Request([1] * 4, i, max_new_tokens=60) for i in range(2)]
+    return Scheduler(SchedulerConfig(), PagePool(1000, 4), num_slots=2, round_tokens=1,
+                     requests=reqs, max_tokens=lambda r: 64, length_history=history)
+
+  def peak(s, a_length, a_pages):
+    a = SeqState(request=s.queue[0], max_tokens=64, tick=0, pages=list(range(a_pages)),
+                 slot=0, length=a_length)
+    s.running = {0: a}
+    b = SeqState(request=s.queue[1], max_tokens=64, tick=1, length=4)
+    return s.expected_peak(b, pages=2)
+
+  assert peak(sched([20] * 10), a_length=16, a_pages=5) == 9
+  assert peak(sched([20] * 10), a_length=4, a_pages=2) == 12
+  s = sched([])
+  assert s.expected_peak(SeqState(request=s.queue[1], max_tokens=64, tick=0, length=4),
+                         pages=2) == 16

@@ -17,10 +17,11 @@ selected pages plus the page key bounds; the per-round average context is taken 
 the responses (our XLA reference attention reads every page of ``max_seq_len``
 whatever the length, so its real traffic is higher for AR and verification alike).
 
-Part 2 — scheduler: a KV page budget that holds about half the slots at full length;
-the ``kv_aware`` policy vs ``naive`` (preempt newest, offload, no hysteresis), AR,
-alternating: tokens/s, preemptions, offload + restore bytes, recompute tokens, slot
-utilisation (and its trace per device call in the JSON).
+Part 2 — scheduler: 16 requests through 8 slots under a KV page budget of
+``--kv-budget`` (default 0.35) of every slot at full length; the ``kv_aware`` policy
+vs ``naive`` (preempt newest, offload, no hysteresis), AR, alternating: tokens/s,
+preemptions, offload + restore bytes, recompute tokens, slot utilisation (and its
+trace per device call in the JSON).
 
 Writes JSON (``summary``: best self-sparse speedup over AR at budget <= 25%, the
 crossover budget, acceptance lengths, scheduler bytes and throughput ratios) and a PNG of
@@ -160,6 +161,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--quick", action="store_true")
   ap.add_argument("--out", default=common.default_out("sparse"))
   ap.add_argument("--parts", default="decode,scheduler", help="decode and/or scheduler")
+  ap.add_argument("--kv-budget", type=float, default=0.35,
+                  help="scheduler part: KV pages as a fraction of every slot at full length")
   args = ap.parse_args(argv)
   parts = args.parts.split(",")
 
@@ -187,7 +190,8 @@ def main(argv=None) -> dict:
     _plot(curves, args.out)
   if "scheduler" in parts:
     sched_rows, sched = scheduler_part(policy, tok, quick,
-                                       ps if quick else prompts(tok, 16, spans, 1), base)
+                                       ps if quick else prompts(tok, 16, spans, 1), base,
+                                       args.kv_budget)
     summary.update(sched)
     print()
     common.print_table(sched_rows, ["policy", "tokens_per_s", "throughput_vs_naive",
@@ -200,14 +204,15 @@ def main(argv=None) -> dict:
 
 
 
-def scheduler_part(policy, tok, quick, ps, base):
+def scheduler_part(policy, tok, quick, ps, base, kv_budget):
   """Tight KV budget: kv_aware vs naive (AR rollouts), alternating."""
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.scheduler import SchedulerConfig
   from spec_rl_jax.rollout.types import EngineConfig, Request
   S = 4 if quick else 8
   page_size, max_seq = base["page_size"], base["max_seq_len"]
-  cfg = dict(base, num_slots=S, num_pages=S * max_seq // page_size // 2, round_budget=32)
+  cfg = dict(base, num_slots=S, num_pages=int(kv_budget * S * max_seq // page_size),
+             round_budget=32)
   engines, last = {}, {}
   for name in ("kv_aware", "naive"):
     engines[name] = RolloutEngine(policy, EngineConfig(
@@ -224,7 +229,7 @@ def scheduler_part(policy, tok, quick, ps, base):
   for fn in runners.values():  # warm-up
     fn()
   with common.CompileCounter() as compiles:
-    res = common.alternate(runners, reps=1 if quick else 2, warmup=0, baseline="naive")
+    res = common.alternate(runners, reps=1 if quick else 3, warmup=0, baseline="naive")
   rows = []
   for name in engines:
     m = last[name].metrics

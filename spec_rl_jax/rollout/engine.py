@@ -79,6 +79,7 @@ class SlotState:
   accepted_at: jax.Array  # [K] int32: accepted count per draft position
 
 
+LENGTH_HISTORY = 1024  # latest finished response lengths the scheduler models lengths on
 # The per-slot fields a preempted sequence takes with it (``capacity`` is the host's).
 ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new", "finish",
               "history", "reference", "out_tok", "out_lp", "out_policy_lp")
@@ -124,7 +125,8 @@ class RolloutEngine:
     self._params = transformer.inference_weights(model)
     self._pool = PagePool(config.num_pages, config.page_size)
     self._memory: dict[tuple[int, ...], collections.deque] = {}
-    self._length_prior: float | None = None  # running mean response length (scheduler)
+    # Response lengths of the latest finished requests: the scheduler's length model.
+    self._length_history: collections.deque[int] = collections.deque(maxlen=LENGTH_HISTORY)
     self._draft_frac: float | None = None  # `_draft_time_fraction`, measured once
     leaf = jax.tree.leaves(self._params)[0]
     mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
@@ -403,7 +405,7 @@ class RolloutEngine:
     self._state = self._state.replace(group=jax.device_put(np.full(group.shape, -1, np.int32),
                                                            group.sharding))
     sched = Scheduler(c.scheduler, self._pool, c.num_slots, K + 1, requests,
-                      lambda r: len(r.prompt) + self._max_new(r) + K, self._length_prior)
+                      lambda r: len(r.prompt) + self._max_new(r) + K, self._length_history)
     done: dict[int, Response] = {}
     trace = []  # per device call: (rounds, busy slot fraction)
 
@@ -438,9 +440,7 @@ class RolloutEngine:
       if finished:
         self._collect([sched.finish(slot) for slot in finished], finished, done)
     self.stats.update(sched.stats)
-    if (mean := sched.mean_response_length()) is not None:  # RL steps look alike
-      self._length_prior = mean if self._length_prior is None else (
-          0.5 * self._length_prior + 0.5 * mean)
+    self._length_history.extend(sched.finished_lengths)
     responses = [done[r.request_id] for r in requests]
     metrics = self._metrics(before, stats0, responses, time.perf_counter() - t0)
     metrics["utilization_trace"] = trace

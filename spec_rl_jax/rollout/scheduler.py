@@ -17,15 +17,15 @@ had never stopped.
 Policies (registry, one signature — `Policy`):
 
   ``kv_aware``  admission control: admit when the pool covers every sequence up to
-                its cap (no preemption can follow); otherwise only while it covers
-                the pages every running sequence and the newcomer are still expected
-                to take (their expected length: the mean response length finished
-                so far in this call, before that the engine's running mean over
-                earlier calls, at first the request's cap) plus ``watermark`` of the
-                pool; victims are the sequences that are cheapest to bring back
-                (fewest pages; the shortest are recomputed, not offloaded); a
-                preempted sequence comes back under the same rule as admission, so
-                it is not preempted again at once (hysteresis).
+                its cap (no preemption can follow); otherwise only while the
+                *expected peak* of the pages held (`Scheduler.expected_peak`: every
+                running sequence and the newcomer grow, and finish with the
+                probabilities of the response lengths finished so far, in this call
+                and the engine's earlier ones) plus ``watermark`` of the pool fits;
+                victims are the sequences that are cheapest to bring back (fewest
+                pages; the shortest are recomputed, not offloaded); a preempted
+                sequence comes back under the same rule as admission, so it is not
+                preempted again at once (hysteresis).
   ``naive``     admit whenever the prompt's pages fit, preempt the newest sequence by
                 offloading, restore as soon as its pages fit.
 
@@ -38,8 +38,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from spec_rl_jax.rollout.paged_cache import PagePool
 
@@ -110,11 +112,9 @@ def _kv_aware_admit(s: "Scheduler", seq: SeqState, pages: int) -> bool:
   worst = sum(s.pages_for(q.max_tokens) - len(q.pages) for q in s.running.values())
   if s.pool.num_free >= worst + s.pages_for(seq.max_tokens):
     return True
-  # Otherwise: the pages the running sequences and the newcomer are still expected to
-  # take, plus the watermark.
-  expected = sum(s.expected_growth(q, len(q.pages)) for q in s.running.values())
-  expected += pages + s.expected_growth(seq, pages)
-  return s.pool.num_free >= expected + s.watermark_pages
+  # Otherwise: the expected peak of the pages held by the running sequences and the
+  # newcomer as they grow and finish, plus the watermark.
+  return s.expected_peak(seq, pages) + s.watermark_pages <= s.pool.num_pages
 
 
 def _kv_aware_victims(s: "Scheduler", running: list[SeqState], short: int):
@@ -144,7 +144,7 @@ class Scheduler:
 
   def __init__(self, config: SchedulerConfig, pool: PagePool, num_slots: int,
                round_tokens: int, requests, max_tokens: Callable[[Any], int],
-               length_prior: float | None = None):
+               length_history: Sequence[int] = ()):
     if config.policy not in POLICIES:
       raise ValueError(f"unknown scheduler policy {config.policy!r}; registered:"
                        f" {sorted(POLICIES)}")
@@ -158,8 +158,8 @@ class Scheduler:
     self._ticks = itertools.count()
     self.watermark_pages = int(config.watermark * pool.num_pages)
     self.stats = collections.Counter()
-    self._finished = [0, 0]  # responses finished in this call: count, total length
-    self._length_prior = length_prior  # mean response length of earlier calls, if any
+    self._length_history = list(length_history)  # finished in earlier calls
+    self.finished_lengths: list[int] = []  # response lengths finished in this call
 
   def busy(self) -> bool:
     return bool(self.queue or self.preempted or self.running)
@@ -172,31 +172,39 @@ class Scheduler:
     want = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
     return max(0, want - len(seq.pages))
 
-  def expected_growth(self, seq: SeqState, pages: int) -> int:
-    """Pages beyond ``pages`` that ``seq`` is expected to take before it finishes."""
-    prompt = len(seq.request.prompt)
-    cap = seq.max_tokens - prompt  # max_new + K
-    done = seq.length - prompt
-    mean = self.mean_response_length()
-    if mean is None:
-      mean = cap if self._length_prior is None else self._length_prior
-    total = min(seq.max_tokens, prompt + max(mean + self.round_tokens, done + self.round_tokens))
-    return max(0, self.pages_for(int(total)) - pages)
+  def expected_peak(self, seq: SeqState, pages: int) -> float:
+    """Expected peak of the pages held by the running sequences and ``seq`` (holding
+    ``pages``) from now on, over response lengths drawn from those finished so far.
+
+    A sequence with ``d`` response tokens is still running ``t`` tokens later with
+    probability ``P(len > d + t | len > d)`` (the empirical survival of the finished
+    lengths; a sequence longer than all of them, or any before one has finished,
+    counts as running to its cap) and then holds ``pages_for(length + t + K + 1)``.
+    The expectation sums these over the sequences at each ``t`` (a grid of pages).
+    """
+    seqs = [*self.running.values(), seq]
+    held = np.array([len(q.pages) for q in self.running.values()] + [pages])  # [n]
+    length = np.array([q.length for q in seqs])
+    cap = np.array([q.max_tokens for q in seqs])
+    done = length - np.array([len(q.request.prompt) for q in seqs])
+    Ps = self.pool.page_size
+    t = np.arange(0, int((cap - length).max()) + Ps, Ps)[:, None]  # [T, 1]
+    lens = np.sort(self._length_history + self.finished_lengths)
+    above = lambda x: len(lens) - np.searchsorted(lens, x, side="right")  # #{len > x}
+    alive_now = above(done)  # [n]
+    survive = np.where(alive_now > 0, above(done + t) / np.maximum(alive_now, 1), 1.0)
+    survive = np.where(length + t < cap, survive, 0.0)  # [T, n]
+    size = -(-np.minimum(length + t + self.round_tokens, cap) // Ps)  # pages_for
+    return float((survive * np.maximum(held, size)).sum(1).max())
 
   def _must_grow(self, seq: SeqState) -> int:
     """Pages ``seq`` needs before it can run one more round."""
     need = self.pages_for(min(seq.length + self.round_tokens, seq.max_tokens))
     return max(0, need - len(seq.pages))
 
-  def mean_response_length(self) -> float | None:
-    """Mean response length finished in this call (``None`` if none finished)."""
-    count, total = self._finished
-    return total / count if count else None
-
   def finish(self, slot: int) -> SeqState:
     seq = self.running.pop(slot)
-    self._finished[0] += 1
-    self._finished[1] += seq.length - len(seq.request.prompt) + 1
+    self.finished_lengths.append(seq.length - len(seq.request.prompt) + 1)
     self.pool.release(seq.pages)
     seq.pages = []
     self.free_slots.append(slot)
