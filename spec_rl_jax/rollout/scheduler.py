@@ -160,6 +160,7 @@ class Scheduler:
     self.stats = collections.Counter()
     self._length_history = list(length_history)  # finished in earlier calls
     self.finished_lengths: list[int] = []  # response lengths finished in this call
+    self._sorted_lengths: np.ndarray | None = None  # both, sorted (`expected_peak`)
 
   def busy(self) -> bool:
     return bool(self.queue or self.preempted or self.running)
@@ -183,13 +184,15 @@ class Scheduler:
     The expectation sums these over the sequences at each ``t`` (a grid of pages).
     """
     seqs = [*self.running.values(), seq]
-    held = np.array([len(q.pages) for q in self.running.values()] + [pages])  # [n]
+    held = np.array([len(q.pages) for q in seqs[:-1]] + [pages])  # [n]
     length = np.array([q.length for q in seqs])
     cap = np.array([q.max_tokens for q in seqs])
     done = length - np.array([len(q.request.prompt) for q in seqs])
     Ps = self.pool.page_size
     t = np.arange(0, int((cap - length).max()) + Ps, Ps)[:, None]  # [T, 1]
-    lens = np.sort(self._length_history + self.finished_lengths)
+    if self._sorted_lengths is None:  # sorted once per finish, not per admission check
+      self._sorted_lengths = np.sort(self._length_history + self.finished_lengths)
+    lens = self._sorted_lengths
     above = lambda x: len(lens) - np.searchsorted(lens, x, side="right")  # #{len > x}
     alive_now = above(done)  # [n]
     survive = np.where(alive_now > 0, above(done + t) / np.maximum(alive_now, 1), 1.0)
@@ -205,6 +208,7 @@ class Scheduler:
   def finish(self, slot: int) -> SeqState:
     seq = self.running.pop(slot)
     self.finished_lengths.append(seq.length - len(seq.request.prompt) + 1)
+    self._sorted_lengths = None
     self.pool.release(seq.pages)
     seq.pages = []
     self.free_slots.append(slot)
