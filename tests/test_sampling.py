@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_rl_jax.sampling import SamplingParams, process_logits, sample
+from spec_rl_jax.sampling import CDF_BLOCK, SamplingParams, inverse_cdf, process_logits, sample
 
 
 def _probs(logits, **kw):
@@ -61,6 +61,45 @@ def test_sampling_matches_processed_distribution():
   chi2 = (((counts[support] - n * p[support]) ** 2) / (n * p[support])).sum()
   # dof <= 9: the 99.9% quantile of chi2(9) is 27.9.
   assert chi2 < 27.9, chi2
+
+
+@pytest.mark.parametrize("V", [5, CDF_BLOCK, 3 * CDF_BLOCK + 17])
+def test_inverse_cdf_matches_float64_search(V):
+  """On a fine grid of uniforms: the id a float64 CDF search gives, never a zero-
+  probability id (zeros inside blocks, whole zero blocks, a zero last id)."""
+  rng = np.random.default_rng(V)
+  p = rng.random(V) ** 4
+  p[rng.random(V) < 0.3] = 0
+  p[-1] = 0
+  if V > 2 * CDF_BLOCK:
+    p[CDF_BLOCK:2 * CDF_BLOCK] = 0
+  u = np.linspace(0, 1, 20_001)[:-1]
+  got = np.asarray(inverse_cdf(jnp.asarray(u, jnp.float32),
+                               jnp.broadcast_to(jnp.asarray(p, jnp.float32), (len(u), V))))
+  F = np.cumsum(p)
+  want = np.searchsorted(F, u * F[-1], side="right")
+  assert (p[got] > 0).all()
+  np.testing.assert_array_equal(got, want)
+  # The largest uniform below 1 (rounding may put u·F at the top): the last positive id.
+  top = inverse_cdf(jnp.float32(np.nextafter(np.float32(1), np.float32(0))), jnp.asarray(p))
+  assert int(top) == np.flatnonzero(p)[-1]
+
+
+def test_inverse_cdf_keeps_small_probabilities_in_a_long_vocabulary():
+  """151,936 ids, one dominant: the ids of probability 1e-9 after it (each far below
+  the fp32 resolution of a running sum near 1) hold 1.5e-4 of the mass together, and
+  the uniforms that return them cover that share of [0, 1)."""
+  V, tiny = 151_936, 1e-9
+  p = np.full(V, tiny, np.float32)
+  p[7] = 1 - tiny * (V - 1)
+  tail = tiny * (V - 8)  # mass after the dominant id
+  pick = jax.jit(lambda u: inverse_cdf(u, jnp.asarray(p)))
+  lo, hi = np.float32(0.5), np.float32(1 - 2 ** -24)  # pick(lo) == 7, pick(hi) > 7
+  assert int(pick(lo)) == 7 and int(pick(hi)) > 7
+  for _ in range(40):  # bisect the uniform where the tail starts
+    mid = np.float32((lo + hi) / 2)
+    lo, hi = (mid, hi) if int(pick(mid)) <= 7 else (lo, mid)
+  np.testing.assert_allclose(1 - float(hi), tail, rtol=0.1)
 
 
 def test_invalid_params():

@@ -17,7 +17,8 @@ the argmax: a draft is accepted iff it equals the argmax, and the correction is 
 argmax — so greedy SD emits exactly the greedy AR tokens.
 
 Randomness is per slot: ``keys[S]`` (derived from request id and position by the
-engine), split into one uniform per draft position and one residual draw.
+engine) give ``K + 1`` uniforms — one acceptance test per draft position, and the
+inverse-CDF draw (`spec_rl_jax.sampling.inverse_cdf`) of the residual/bonus token.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from spec_rl_jax.sampling import SamplingParams, process_logits
+from spec_rl_jax.sampling import SamplingParams, inverse_cdf, process_logits
 
 
 class Verification(NamedTuple):
@@ -70,10 +71,9 @@ def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array |
 
   p_x = jnp.take_along_axis(p[:, :K], x[..., None], axis=-1)[..., 0]  # [S, K]
   q_x = jnp.take_along_axis(q, x[..., None], axis=-1)[..., 0]
-  sub = jax.vmap(lambda k: jax.random.split(k, 2))(keys)  # [S, 2]
-  u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(sub[:, 0])  # [S, K]
-  # u < p/q  <=>  u·q < p (q_x > 0 for tokens the draft sampled).
-  ok = u * q_x < p_x
+  u = jax.vmap(lambda k: jax.random.uniform(k, (K + 1,)))(keys)  # [S, K+1]
+  # u_i < p/q  <=>  u_i·q < p (q_x > 0 for tokens the draft sampled).
+  ok = u[:, :K] * q_x < p_x
   accepted = jnp.cumprod(ok, axis=1).astype(bool)  # [S, K]
   n_acc = accepted.sum(axis=1)  # [S] in 0..K
 
@@ -81,8 +81,7 @@ def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array |
   q_pad = jnp.concatenate([q, jnp.zeros((S, 1, V), q.dtype)], axis=1)  # q_K := 0
   p_j = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [S, V]
   q_j = jnp.take_along_axis(q_pad, n_acc[:, None, None], axis=1)[:, 0]
-  extra = jax.vmap(jax.random.categorical)(
-      sub[:, 1], jnp.log(residual_distribution(p_j, q_j))).astype(jnp.int32)
+  extra = inverse_cdf(u[:, K], residual_distribution(p_j, q_j))
 
   pos = jnp.arange(K + 1)[None, :]
   x_pad = jnp.concatenate([x, jnp.zeros((S, 1), jnp.int32)], axis=1)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_rl_jax.rollout.types import EngineConfig
-from spec_rl_jax.sampling import process_logits
+from spec_rl_jax.sampling import inverse_cdf, process_logits
 
 
 class DraftContext(NamedTuple):
@@ -77,8 +77,9 @@ def make_proposer(name: str, **kwargs) -> Proposer:
 
 
 def draft_key(key: jax.Array, rid: jax.Array, pos: jax.Array) -> jax.Array:
-  """Per-slot key for sampling the draft token at ``pos`` — a stream disjoint from the
-  verifier's (which folds ``rid`` then ``pos`` into ``key`` directly)."""
+  """Per-slot key for the draft tokens of the round whose first draft sits at ``pos``
+  — a stream disjoint from the verifier's (which folds ``rid`` then ``pos`` into
+  ``key`` directly)."""
   return jax.vmap(lambda r, p: jax.random.fold_in(
       jax.random.fold_in(jax.random.fold_in(key, 0x5EED), r), p))(rid, pos)
 
@@ -94,10 +95,12 @@ def sample_drafts(step: Callable[[Any, jax.Array, int], tuple[Any, jax.Array]], 
   processing to ``p``). Returns ``(drafts [S, K], logprobs [S, K, V], carry)``.
   """
 
+  keys = draft_key(ctx.key, ctx.rid, ctx.length + 1)
+  u = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(keys)  # [S, K]: one per draft
+
   def draw(logits, i):
     lp = process_logits(logits, sampling)  # [S, V]
-    keys = draft_key(ctx.key, ctx.rid, ctx.length + 1 + i)
-    return jax.vmap(jax.random.categorical)(keys, lp).astype(jnp.int32), lp
+    return inverse_cdf(u[:, i], jnp.exp(lp)), lp
 
   x, lp = draw(logits, 0)
 
