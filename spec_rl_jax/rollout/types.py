@@ -97,8 +97,9 @@ class RolloutResult:
   ``(rounds, busy fraction)``), the scheduler's ``preemptions``, ``offloads``,
   ``recomputes``, ``restores``, ``offload_bytes``, ``restore_bytes``,
   ``recompute_tokens`` (rollout/scheduler.py), and with drafting
-  ``draft_time_frac`` (share of a round spent proposing, from one timed propose call
-  and one timed verify forward on the state after the engine's first rollout).
+  ``draft_time_frac`` (share of a round spent proposing: median propose time over
+  median propose + verify time, 5 alternated timings each on the state after the
+  engine's first rollout).
   """
 
   responses: list[Response]
