@@ -80,6 +80,7 @@ class SlotState:
 
 
 LENGTH_HISTORY = 1024  # latest finished response lengths the scheduler models lengths on
+
 # The per-slot fields a preempted sequence takes with it (``capacity`` is the host's).
 ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new", "finish",
               "history", "reference", "out_tok", "out_lp", "out_policy_lp")

@@ -40,11 +40,11 @@ class Verification(NamedTuple):
 
 
 def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
-  """``norm(max(p − q, 0))`` over the last axis (``q = 0`` gives ``p``: the bonus)."""
+  """``max(p − q, 0)`` over the last axis, unnormalised (`inverse_cdf` draws from any
+  total; ``q = 0`` gives ``p``: the bonus)."""
   residual = jnp.maximum(p - q, 0.0)
-  mass = residual.sum(-1, keepdims=True)
-  # mass == 0 only through rounding when p ≈ q; then p itself is exact enough.
-  return jnp.where(mass > 0, residual / jnp.where(mass > 0, mass, 1.0), p)
+  # No mass only through rounding when p ≈ q; then p itself is exact enough.
+  return jnp.where(residual.sum(-1, keepdims=True) > 0, residual, p)
 
 
 def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array | None,
