@@ -58,7 +58,7 @@ class DrafterConfig:
   sparse_budget: float = 0.25  # self_sparse: fraction of the context's KV pages per step
   sparse_sinks: int = 1  # self_sparse: first pages always read
   sparse_window: int = 2  # self_sparse: newest pages always read
-  sparse_reselect: bool = True  # self_sparse: choose pages every draft step (else per round)
+  sparse_reselect: bool = False  # self_sparse: choose pages every draft step (else per round)
 
 
 @dataclasses.dataclass(frozen=True)

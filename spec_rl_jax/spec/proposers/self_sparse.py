@@ -18,8 +18,11 @@ AR decoding would, and the key bounds stay tight. The draft distribution ``q`` i
 policy's sparse-attention distribution with the same sampling processing as ``p``;
 the rejection sampler makes the output exactly the policy's whatever the budget.
 
-Selection is refreshed at every draft step (``reselect=True``, each step's own
-queries) or chosen at step 0 and reused for the round's remaining steps.
+Selection is chosen at draft step 0 and reused for the round's remaining steps (the
+default), or refreshed at every draft step with that step's own queries
+(``reselect=True``). Reuse skips the per-step scoring of every page's key bounds and
+loses no acceptance: in ``bench.sparse`` (K = 4, budget 25%) it ran 1.05-1.3x faster
+than per-step selection at acceptance length 3.59-3.65 vs 3.58-3.66.
 
 Shape legend: ``S`` slots, ``K`` draft length, ``L`` layers, ``H`` query heads, ``Hk``
 KV heads, ``G = H // Hk``, ``Dh`` head dim, ``M`` pages per slot, ``B`` selected pages,
@@ -142,7 +145,7 @@ class SparseDraftView:
 class SelfSparseProposer:
   """Drafts with the policy itself under a sparse-attention page budget."""
 
-  def __init__(self, model: Decoder, budget: PageBudget, reselect: bool = True):
+  def __init__(self, model: Decoder, budget: PageBudget, reselect: bool = False):
     self.model_config = model.cfg
     self._graphdef = nnx.graphdef(model)
     self.budget = budget
