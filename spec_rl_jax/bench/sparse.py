@@ -8,16 +8,16 @@ minutes: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, 
 sampling (temperature 1). Throughput counts emitted tokens only.
 
 Part 1 — decoding: AR (K = 0), ``self_sparse`` at several page budgets (fraction of
-the slot's used pages) and K with the selection chosen once per round (the default), the
-selection refreshed at every draft step at one point for comparison, and the ``draft_model`` proposer for comparison; all systems alternate A B
-A B after a warm-up that compiles them, each run 4 requests per slot (continuous
-batching keeps the slots busy, so the sampled lengths' tail weighs little). Besides
-tokens/s and acceptance length it reports the KV bytes read per emitted token by
-attention that reads only what it needs: per round the verifier reads the whole
-context once, each sparse draft step the selected pages plus the page key bounds; the
-per-round average context is taken from the responses (our XLA reference attention
-reads every page of ``max_seq_len`` whatever the length, so its real traffic is higher
-for AR and verification alike).
+the slot's used pages) and K with the selection chosen once per round (the default),
+per-step selection at one point (K = 4, budget 25%), and the ``draft_model`` proposer
+for comparison; all systems alternate A B A B after a warm-up that compiles them, each
+run 4 requests per slot (continuous batching keeps the slots busy, so the sampled
+lengths' tail weighs little). Besides tokens/s and acceptance length it reports the KV
+bytes read per emitted token by attention that reads only what it needs: per round the
+verifier reads the whole context once, each sparse draft step the selected pages plus
+the page key bounds; the per-round average context is taken from the responses (our
+XLA reference attention reads every page of ``max_seq_len`` whatever the length, so
+its real traffic is higher for AR and verification alike).
 
 Part 2 — scheduler: 16 requests through 8 slots under a KV page budget of
 ``--kv-budget`` (default 0.35) of every slot at full length; the ``kv_aware`` policy
