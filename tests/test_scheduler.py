@@ -41,7 +41,7 @@ def _engine(target, num_pages, sampling, K=0, proposer=None, **sched):
   cfg = EngineConfig(num_slots=4, page_size=4, num_pages=num_pages, max_seq_len=96,
                      max_new_tokens=40, round_budget=16, sampling=sampling, eos_ids=(11,),
                      num_draft_tokens=K, seed=3,
-                     scheduler=SchedulerConfig(grow_tokens=8, **sched))
+                     scheduler=SchedulerConfig(**{"grow_tokens": 8, **sched}))
   return RolloutEngine(target, cfg, proposer=proposer)
 
 
@@ -72,6 +72,7 @@ def test_tight_budget_same_outputs_as_unlimited(target, sampling, policy):
   assert m["restore_bytes"] == m["offload_bytes"] == (m["offloads"] > 0) * m["offload_bytes"]
   assert engine._pool.num_free == 24  # nothing leaked
   assert 0 < m["slot_utilization"] <= 1
+  assert (m["reclaimed_pages"] > 0) == (policy == "kv_aware")
 
 
 def test_offload_only_and_recompute_only(target):
@@ -84,15 +85,18 @@ def test_offload_only_and_recompute_only(target):
     assert tight.metrics[mode] == tight.metrics["preemptions"] > 0
 
 
-def test_speculative_rounds_under_tight_budget(target):
-  """Draft-model SD (its own KV pools are offloaded with the policy's)."""
+@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+def test_speculative_rounds_under_tight_budget(target, policy):
+  """Draft-model SD: its own KV pools are offloaded with the policy's, and reclaimed
+  room is cut behind the rows the last round's rejected drafts wrote."""
   reqs = _requests(seed=2)
   draft = make_proposer("draft_model", model=target)
   free = _engine(target, 400, SAMPLED, K=3, proposer=draft).generate(reqs)
   tight = _engine(target, 26, SAMPLED, K=3, proposer=draft, recompute_max_tokens=0,
-                  policy="naive").generate(reqs)
+                  policy=policy, grow_tokens=16).generate(reqs)
   _same(free, tight)
-  assert tight.metrics["offloads"] > 0
+  m = tight.metrics
+  assert m["offloads"] > 0 if policy == "naive" else m["reclaimed_pages"] > 0
 
 
 def test_offload_restore_is_bit_identical(target):
@@ -172,3 +176,28 @@ def test_expected_peak_counts_the_pages_freed_by_finishes():
   s = sched([])
   assert s.expected_peak(SeqState(request=s.queue[1], max_tokens=64, tick=0, length=4),
                          pages=2) == 16
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+def test_reclaim_takes_back_unused_room_before_preempting(policy):
+  """Page size 4, a full pool of 8 pages: A (length 8) holds 5 pages, room to 20 tokens;
+  B (length 12) holds 3 and must grow for its next round. kv_aware takes A's last page
+  (nothing written there: A's next round needs ceil(9 / 4) = 3) and preempts no one;
+  naive offloads the newest, B."""
+  reqs = [Request([1] * 4, i, max_new_tokens=60) for i in range(2)]
+  s = Scheduler(SchedulerConfig(policy=policy), PagePool(8, 4), num_slots=2, round_tokens=1,
+                requests=reqs, max_tokens=lambda r: 64)
+  a = SeqState(request=reqs[0], max_tokens=64, tick=0, pages=s.pool.allocate(5), slot=0,
+               length=8)
+  b = SeqState(request=reqs[1], max_tokens=64, tick=1, pages=s.pool.allocate(3), slot=1,
+               length=12)
+  s.running = {0: a, 1: b}
+  a_pages = list(a.pages)
+  victims = s.plan_preemptions()
+  if policy == "naive":
+    assert victims == [(b, "offload")] and s.stats["reclaimed_pages"] == 0
+    return
+  assert victims == [] and s.stats["reclaimed_pages"] == 1
+  assert a.pages == a_pages[:4] and s.pool.num_free == 1  # the tail page, back in the pool
+  s.grow()
+  assert len(b.pages) == 4 and s.pool.num_free == 0
