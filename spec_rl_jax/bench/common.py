@@ -132,5 +132,5 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def _fmt(v) -> str:
   if isinstance(v, float):
-    return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return f"{v:.4g}" if abs(v) < 1000 else f"{v:.0f}"
   return str(v)
