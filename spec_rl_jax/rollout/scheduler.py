@@ -177,10 +177,13 @@ class Scheduler:
   def pages_for(self, tokens: int) -> int:
     return self.pool.pages_for(tokens)
 
+  def pages_with_room(self, seq: SeqState, tokens: int) -> int:
+    """Pages for ``seq``'s KV plus room for ``tokens`` more (at most its cap)."""
+    return self.pages_for(min(seq.length + tokens, seq.max_tokens))
+
   def next_chunk(self, seq: SeqState) -> int:
     """Pages ``seq`` would take at its next growth."""
-    want = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
-    return max(0, want - len(seq.pages))
+    return max(0, self.pages_with_room(seq, self.config.grow_tokens) - len(seq.pages))
 
   def expected_peak(self, seq: SeqState, pages: int) -> float:
     """Expected peak of the pages held by the running sequences and ``seq`` (holding
@@ -209,13 +212,14 @@ class Scheduler:
     size = -(-np.minimum(length + t + self.round_tokens, cap) // Ps)  # pages_for
     return float((survive * np.maximum(held, size)).sum(1).max())
 
-  def _next_round(self, seq: SeqState) -> int:
-    """Pages ``seq`` holds after one more round (its KV and the round's writes)."""
-    return self.pages_for(min(seq.length + self.round_tokens, seq.max_tokens))
+  def _spare(self, seq: SeqState) -> int:
+    """Pages ``seq`` holds beyond its next round (its KV and the round's writes);
+    negative: it must grow first."""
+    return len(seq.pages) - self.pages_with_room(seq, self.round_tokens)
 
   def _must_grow(self, seq: SeqState) -> int:
     """Pages ``seq`` needs before it can run one more round."""
-    return max(0, self._next_round(seq) - len(seq.pages))
+    return max(0, -self._spare(seq))
 
   def finish(self, slot: int) -> SeqState:
     seq = self.running.pop(slot)
@@ -243,8 +247,8 @@ class Scheduler:
     a sequence's page list: nothing written there), most spare room first; returns
     how many. The engine pushes the shrunk page tables before the next device call."""
     freed = 0
-    for seq in sorted(self.running.values(), key=lambda q: self._next_round(q) - len(q.pages)):
-      n = min(len(seq.pages) - self._next_round(seq), short - freed)
+    for seq in sorted(self.running.values(), key=self._spare, reverse=True):
+      n = min(self._spare(seq), short - freed)
       if n <= 0:
         break
       self.pool.release(seq.pages[-n:])
@@ -281,7 +285,7 @@ class Scheduler:
     if not self.preempted or not self.free_slots:
       return None
     seq = self.preempted[0]
-    pages = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
+    pages = self.pages_with_room(seq, self.config.grow_tokens)
     if not (self.policy.can_restore(self, seq, pages) or not self.running):
       return None
     self.preempted.popleft()
@@ -296,7 +300,7 @@ class Scheduler:
     req = self.queue[0]
     seq = SeqState(request=req, max_tokens=self._max_tokens(req), tick=next(self._ticks),
                    length=len(req.prompt))
-    pages = self.pages_for(min(seq.length + self.config.grow_tokens, seq.max_tokens))
+    pages = self.pages_with_room(seq, self.config.grow_tokens)
     if not (self.policy.can_admit(self, seq, pages) or not self.running):
       self.stats["admission_waits"] += 1
       return None
