@@ -138,7 +138,7 @@ def test_budget_errors(target):
 def test_kv_aware_admits_every_slot_when_the_pool_covers_every_cap(extra_pages):
   """With pages for every slot's worst case the watermark must not hold requests back
   (it did: 32 slots with exactly 32 caps of pages ran 28 and then 4); one page fewer
-  and the expected-length rule (cap at first, plus the watermark) applies again."""
+  and, with no response length known yet, pages plus the watermark must fit."""
   slots, cap = 8, 12  # pages per request: (prompt 64 + 128 new) / page size 16
   reqs = [Request([1] * 64, i, max_new_tokens=128) for i in range(slots)]
   sched = Scheduler(SchedulerConfig(grow_tokens=256), PagePool(slots * cap + extra_pages, 16),
@@ -149,6 +149,22 @@ def test_kv_aware_admits_every_slot_when_the_pool_covers_every_cap(extra_pages):
     admitted += 1
   assert admitted == (slots if extra_pages == 0 else slots - 1)
   assert sched.stats["admission_waits"] == (0 if extra_pages == 0 else 1)
+
+
+@pytest.mark.parametrize("history", [[], [60] * 10], ids=["cold", "warm"])
+def test_kv_aware_admission_before_and_after_lengths_are_known(history):
+  """Pool of 100 pages of 4, watermark 2 pages; requests of prompt 4 and cap 64 tokens
+  (16 pages) are admitted with 3 pages (prompt + 8 tokens of room). Cold, nothing to
+  model lengths on: admit while 3 + 2 pages are free, 32 of them. Warm, every response
+  ran to its cap: 6 fit their caps (16 * 6 + 2 <= 100; 7 do not)."""
+  reqs = [Request([1] * 4, i, max_new_tokens=60) for i in range(40)]
+  s = Scheduler(SchedulerConfig(grow_tokens=8), PagePool(100, 4), num_slots=40,
+                round_tokens=1, requests=reqs, max_tokens=lambda r: 64,
+                length_history=history)
+  admitted = 0
+  while s.admit_next() is not None:
+    admitted += 1
+  assert admitted == (32 if not history else 6)
 
 
 def test_expected_peak_counts_the_pages_freed_by_finishes():
@@ -201,3 +217,29 @@ def test_reclaim_takes_back_unused_room_before_preempting(policy):
   assert a.pages == a_pages[:4] and s.pool.num_free == 1  # the tail page, back in the pool
   s.grow()
   assert len(b.pages) == 4 and s.pool.num_free == 0
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+def test_schedule_replay_reproduces_the_engine(target, policy):
+  """bench.schedule_replay drives the same Scheduler host-only from the response
+  lengths: the same rounds, device calls, preemptions and bytes as the engine (AR),
+  in a first call and in a second one that models lengths on the first's."""
+  from spec_rl_jax.bench.schedule_replay import ReplayRequest, replay
+  reqs = _requests(12, seed=4)
+  engine = _engine(target, 24, SAMPLED, policy=policy, recompute_max_tokens=20)
+  c = engine.config
+  history = []
+  for _ in range(2):
+    res = engine.generate(reqs)
+    m = res.metrics
+    got = replay([ReplayRequest(r.prompt, r.request_id, len(out.tokens), r.max_new_tokens)
+                  for r, out in zip(reqs, res.responses)], c.scheduler,
+                 num_slots=c.num_slots, num_pages=c.num_pages, page_size=c.page_size,
+                 max_new=40, round_budget=c.round_budget, history=history)
+    assert m["preemptions"] > 0
+    for k in ("rounds", "device_calls", "preemptions", "offloads", "recomputes",
+              "reclaimed_pages", "admission_waits"):
+      assert got.get(k, 0) == m[k], k
+    assert got["moved_pages"] * engine._page_bytes() == m["offload_bytes"] + m["restore_bytes"]
+    assert got["slot_utilization"] == pytest.approx(m["slot_utilization"])
+    history += got["finished_lengths"]

@@ -24,7 +24,9 @@ Policies (registry, one signature — `Policy`):
                 held (`Scheduler.expected_peak`: every running sequence and the
                 newcomer grow, and finish with the probabilities of the response
                 lengths finished so far, in this call and the engine's earlier
-                ones) plus ``watermark`` of the pool fits;
+                ones) plus ``watermark`` of the pool fits; before any response
+                length is known (the engine's first call, until one finishes):
+                while the pages plus the watermark fit;
                 victims are the sequences that are cheapest to bring back (fewest
                 pages; the shortest are recomputed, not offloaded); a preempted
                 sequence comes back under the same rule as admission, so it is not
@@ -120,6 +122,11 @@ def _kv_aware_admit(s: "Scheduler", seq: SeqState, pages: int) -> bool:
   worst = sum(s.pages_for(q.max_tokens) - len(q.pages) for q in s.running.values())
   if s.pool.num_free >= worst + s.pages_for(seq.max_tokens):
     return True
+  if not s.num_known_lengths():
+    # Nothing to model lengths on yet (no response has finished, in this call or an
+    # earlier one): counting every sequence to its cap would run a handful of slots
+    # until the first finishes, so admit while the pages fit, keeping the watermark.
+    return s.pool.num_free >= pages + s.watermark_pages
   # Otherwise: the expected peak of the pages held by the running sequences and the
   # newcomer as they grow and finish, plus the watermark.
   return s.expected_peak(seq, pages) + s.watermark_pages <= s.pool.num_pages
@@ -173,6 +180,10 @@ class Scheduler:
 
   def busy(self) -> bool:
     return bool(self.queue or self.preempted or self.running)
+
+  def num_known_lengths(self) -> int:
+    """Response lengths `expected_peak` models on (earlier calls' and this one's)."""
+    return len(self._length_history) + len(self.finished_lengths)
 
   def pages_for(self, tokens: int) -> int:
     return self.pool.pages_for(tokens)

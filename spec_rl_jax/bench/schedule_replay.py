@@ -1,0 +1,217 @@
+"""The KV-aware scheduler over many workloads in seconds: recorded response lengths
+replayed through the real `Scheduler`: ``python -m spec_rl_jax.bench.schedule_replay``.
+
+`bench.sparse` times the policies on one workload with the engine; a policy's bytes and
+throughput there hinge on that workload's lengths (which response is long, when it
+starts). This benchmark replays AR rollouts host-only: per device call the engine's
+loop runs up to ``round_budget`` rounds and returns when a slot needs a page or (with
+requests waiting) finishes, exactly as `RolloutEngine.generate` drives the same
+`Scheduler` (a test checks that the replay reproduces the engine's rounds, calls,
+preemptions and bytes). Each AR round of a fixed-shape batch costs the same whatever
+the number of busy slots, so *rounds* stand for time (host work per call and the copies
+are not modelled; the engine measured 1-5 ms per offload + restore next to 4-6 ms per
+round on 2 CPU cores).
+
+Workloads: response lengths of the ``long-policy`` on the counting task (spans
+100-200, temperature 1, as in `bench.sparse`; recorded with the engine on first use,
+cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32 and 64 requests),
+8 slots, KV budgets of 0.25 / 0.35 / 0.5 of every slot at full length. Each workload
+runs twice: *cold* (no earlier lengths: the first RL step) and *warm* (after one call:
+kv_aware's length model has seen the same distribution, as in every later RL step).
+
+Writes JSON (``summary``: geometric means over the workloads of naive/kv_aware rounds
+(throughput ratio) and bytes ratios, their minima, and the fraction of workloads with
+>= 2x fewer bytes at >= equal throughput) and a PNG of bytes ratio vs throughput ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+from spec_rl_jax.bench import common
+from spec_rl_jax.rollout.paged_cache import PagePool
+from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayRequest:
+  """What the scheduler sees of a request, plus the response length it will have."""
+
+  prompt: Sequence[int]
+  request_id: int
+  response_len: int  # tokens, 1..max_new (lengths do not depend on the schedule)
+  max_new_tokens: int | None = None  # None: the replay's ``max_new``
+
+
+def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_slots: int,
+           num_pages: int, page_size: int, max_new: int, round_budget: int,
+           history: Sequence[int] = ()) -> dict:
+  """Runs AR rollouts of ``requests`` host-only through `Scheduler` (module docstring).
+
+  Returns rounds, device calls, the scheduler's counters, pages moved (offload +
+  restore), slot utilisation and the finished response lengths.
+  """
+  pool = PagePool(num_pages, page_size)
+  sched = Scheduler(config, pool, num_slots, 1, requests,
+                    lambda r: len(r.prompt) + (r.max_new_tokens or max_new), history)
+  done = lambda q: q.length - len(q.request.prompt) + 1 >= q.request.response_len
+  rounds = calls = moved = busy = 0
+  while sched.busy():
+    for seq, mode in sched.plan_preemptions():  # saved: the pages an offload copies out
+      moved += len(seq.pages) if mode == "offload" else 0
+      sched.preempt(seq, mode, len(seq.pages) if mode == "offload" else 0)
+    sched.grow()
+    while (seq := sched.restore_next()) is not None:
+      moved += seq.saved
+      seq.saved, seq.mode = None, ""
+    while sched.admit_next() is not None:
+      pass
+    calls += 1
+    stop_on_finish = bool(sched.queue or sched.preempted)
+    live = {s: q for s, q in sched.running.items() if not done(q)}  # active slots
+    finished = [s for s in sched.running if s not in live]  # ended at prefill
+    n, newly = 0, False
+    while (n < round_budget and live and not (stop_on_finish and newly)
+           and all(q.length + 1 <= len(q.pages) * page_size for q in live.values())):
+      n += 1
+      busy += len(live)
+      for s, q in list(live.items()):
+        q.length += 1
+        if done(q):
+          del live[s]
+          finished.append(s)
+          newly = True
+    rounds += n
+    for s in finished:
+      sched.finish(s)
+  return {"rounds": rounds, "device_calls": calls, "moved_pages": moved,
+          "slot_utilization": busy / max(rounds * num_slots, 1), **dict(sched.stats),
+          "finished_lengths": sched.finished_lengths}
+
+
+def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, int],
+                   max_seq: int) -> dict[str, list[tuple[int, int]]]:
+  """``{seed: [(prompt_len, response_len)] * n}`` of the long-policy's responses (AR,
+  temperature 1, unlimited KV budget), recorded once into ``path``."""
+  if os.path.exists(path):
+    with open(path) as f:
+      rec = json.load(f)
+    if all(len(rec.get(str(s), ())) >= n for s in seeds):
+      return rec
+  from tqdm import tqdm
+
+  from spec_rl_jax.bench import sparse
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.rollout.types import EngineConfig, Request
+  from spec_rl_jax.sampling import SamplingParams
+  policy, _, tok = sparse.ensure_long_models()
+  engine = RolloutEngine(policy, EngineConfig(
+      num_slots=32, page_size=16, max_seq_len=max_seq, max_new_tokens=max_seq - 64,
+      round_budget=64, sampling=SamplingParams(temperature=1.0), eos_ids=tok.eos_ids), tok)
+  rec = {}
+  for s in tqdm(seeds, desc="recording response lengths"):
+    ps = sparse.prompts(tok, n, spans, s)
+    res = engine.generate([Request(p, j) for j, p in enumerate(ps)])
+    rec[str(s)] = [(len(p), len(r.tokens)) for p, r in zip(ps, res.responses)]
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(rec, f)
+  return rec
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--quick", action="store_true")
+  ap.add_argument("--out", default=common.default_out("schedule_replay"))
+  ap.add_argument("--lengths", default=os.path.join("results", "long_policy_lengths.json"),
+                  help="recorded response lengths (recorded with the engine if missing)")
+  ap.add_argument("--budgets", default="0.25,0.35,0.5",
+                  help="KV pages as fractions of every slot at full length")
+  args = ap.parse_args(argv)
+  seeds = [0, 1] if args.quick else [0, 1, 2, 3]
+  sets = [(0, 32)] if args.quick else [(0, 16), (16, 32), (0, 32), (32, 64), (0, 64)]
+  budgets = [float(b) for b in args.budgets.split(",")]
+  S, max_seq, page_size = 8, 1024, 16
+  rec = record_lengths(args.lengths, seeds, max(hi for _, hi in sets), (100, 200), max_seq)
+  print(f"machine {common.machine_info()}; {S} slots, max_seq {max_seq}, budgets {budgets}")
+
+  rows = []
+  for budget in budgets:
+    for s in seeds:
+      for lo, hi in sets:
+        reqs = [ReplayRequest([0] * p, j, r) for j, (p, r) in enumerate(rec[str(s)][lo:hi])]
+        run = lambda policy, history: replay(
+            copy.deepcopy(reqs), SchedulerConfig(policy=policy, grow_tokens=128),
+            num_slots=S, num_pages=int(budget * S * max_seq // page_size),
+            page_size=page_size, max_new=max_seq - 64, round_budget=32, history=history)
+        naive = run("naive", ())
+        cold = run("kv_aware", ())
+        for phase, kv in (("cold", cold), ("warm", run("kv_aware", cold["finished_lengths"]))):
+          rows.append({
+              "budget": budget, "workload": f"seed{s}[{lo}:{hi}]", "phase": phase,
+              "requests": hi - lo, "throughput_ratio": naive["rounds"] / kv["rounds"],
+              "bytes_ratio": (naive["moved_pages"] / kv["moved_pages"] if kv["moved_pages"]
+                              else float("inf") if naive["moved_pages"] else 1.0),
+              "preemptions_naive": naive.get("preemptions", 0),
+              "preemptions_kv_aware": kv.get("preemptions", 0),
+              "moved_pages_naive": naive["moved_pages"], "moved_pages_kv_aware": kv["moved_pages"],
+              "utilization_naive": naive["slot_utilization"],
+              "utilization_kv_aware": kv["slot_utilization"]})
+  common.print_table(rows, ["budget", "workload", "phase", "throughput_ratio", "bytes_ratio",
+                            "preemptions_naive", "preemptions_kv_aware", "moved_pages_naive",
+                            "moved_pages_kv_aware"])
+  summary = {}
+  for phase in ("cold", "warm"):
+    # Workloads where naive moves nothing have no bytes ratio to speak of.
+    sel = [r for r in rows if r["phase"] == phase and r["moved_pages_naive"]]
+    thr = np.array([r["throughput_ratio"] for r in sel])
+    byt = np.array([r["bytes_ratio"] for r in sel])
+    finite = np.minimum(byt, 1e3)
+    summary[phase] = {
+        "workloads": len(sel),
+        "throughput_ratio_geomean": float(np.exp(np.log(thr).mean())),
+        "throughput_ratio_min": float(thr.min()),
+        "bytes_ratio_geomean": float(np.exp(np.log(finite).mean())),
+        "bytes_ratio_min": float(byt.min()),
+        "frac_2x_bytes_at_equal_throughput": float(np.mean((byt >= 2) & (thr >= 1))),
+    }
+  print("\nsummary (kv_aware vs naive; ratios > 1 favour kv_aware):")
+  common.print_table([{"phase": k, **v} for k, v in summary.items()],
+                     ["phase", *summary["warm"]])
+  _plot(rows, args.out)
+  return common.write_results(args.out, "schedule_replay", args.quick, summary, rows)
+
+
+def _plot(rows, out: str) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 4.5))
+  for budget, marker in zip(sorted({r["budget"] for r in rows}), "osd^v"):
+    sel = [r for r in rows if r["budget"] == budget and r["phase"] == "warm"
+           and r["moved_pages_naive"]]
+    ax.scatter([r["throughput_ratio"] for r in sel],
+               [min(r["bytes_ratio"], 20) for r in sel], marker=marker,
+               label=f"budget {budget:g}", alpha=0.7)
+  ax.axvline(1.0, color="gray", ls="--")
+  ax.axhline(2.0, color="gray", ls="--")
+  ax.set(xlabel="throughput ratio kv_aware / naive (rounds)",
+         ylabel="KV bytes moved, naive / kv_aware", yscale="log",
+         title="KV-aware scheduler vs naive (replayed workloads, warm)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  path = os.path.splitext(out)[0] + ".png"
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120, bbox_inches="tight")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
