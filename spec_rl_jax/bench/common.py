@@ -3,7 +3,8 @@
 * `alternate`: warm-up, then A B A B ... repetitions of several systems; medians and
   the median of per-pair ratios against a baseline.
 * `machine_info`, `measure_bandwidth`: what the numbers were measured on.
-* `write_results`, `print_table`: the JSON contract and the printed table.
+* `write_results`, `print_table`, `save_plot`: the JSON contract, the printed table and
+  the PNG next to the JSON.
 * `CompileCounter`: counts backend compiles (XLA executables built) while active.
 """
 
@@ -112,6 +113,15 @@ def write_results(path: str, bench: str, quick: bool, summary: dict, rows: list[
   p.write_text(json.dumps(result, indent=2, default=_jsonable))
   print(f"\nwrote {p}")
   return result
+
+
+def save_plot(fig, out: str, **savefig_kw) -> str:
+  """Saves matplotlib ``fig`` as the PNG next to the results JSON ``out``; its path."""
+  path = os.path.splitext(out)[0] + ".png"
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=120, **savefig_kw)
+  print(f"wrote {path}")
+  return path
 
 
 def _jsonable(x):

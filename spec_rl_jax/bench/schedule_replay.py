@@ -64,9 +64,10 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
   done = lambda q: q.length - len(q.request.prompt) + 1 >= q.request.response_len
   rounds = calls = moved = busy = 0
   while sched.busy():
-    for seq, mode in sched.plan_preemptions():  # saved: the pages an offload copies out
-      moved += len(seq.pages) if mode == "offload" else 0
-      sched.preempt(seq, mode, len(seq.pages) if mode == "offload" else 0)
+    for seq, mode in sched.plan_preemptions():
+      saved = len(seq.pages) if mode == "offload" else 0  # pages an offload copies out
+      moved += saved
+      sched.preempt(seq, mode, saved)
     sched.grow()
     while (seq := sched.restore_next()) is not None:
       moved += seq.saved
@@ -111,7 +112,7 @@ def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, in
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
-  policy, _, tok = sparse.ensure_long_models()
+  policy, tok = sparse.ensure_long_models(("long-policy",))
   engine = RolloutEngine(policy, EngineConfig(
       num_slots=32, page_size=16, max_seq_len=max_seq, max_new_tokens=max_seq - 64,
       round_budget=64, sampling=SamplingParams(temperature=1.0), eos_ids=tok.eos_ids), tok)
@@ -207,10 +208,7 @@ def _plot(rows, out: str) -> None:
          title="KV-aware scheduler vs naive (replayed workloads, warm)")
   ax.legend()
   ax.grid(alpha=0.3)
-  path = os.path.splitext(out)[0] + ".png"
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120, bbox_inches="tight")
-  print(f"wrote {path}")
+  common.save_plot(fig, out, bbox_inches="tight")
 
 
 if __name__ == "__main__":

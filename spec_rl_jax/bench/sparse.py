@@ -45,7 +45,8 @@ from spec_rl_jax.bench import common
 
 
 def ensure_long_models(names=("long-policy", "long-draft")):
-  """``(policy, draft, tokenizer)`` from the cache, training what is missing."""
+  """``(*models, tokenizer)``: the ``names`` models from the cache (default: policy and
+  draft), training what is missing."""
   from spec_rl_jax import sft
   from spec_rl_jax.checkpoint import cache_dir
   from spec_rl_jax.models import hf_io
@@ -53,9 +54,8 @@ def ensure_long_models(names=("long-policy", "long-draft")):
   if missing:
     print(f"training {missing} into {cache_dir()} (first use; a few minutes)")
     sft.produce(missing, {}, eval_n=0)
-  (policy, tok), (draft, _) = (hf_io.load_hf_checkpoint(os.path.join(cache_dir(), n))
-                               for n in names)
-  return policy, draft, tok
+  loaded = [hf_io.load_hf_checkpoint(os.path.join(cache_dir(), n)) for n in names]
+  return (*(model for model, _ in loaded), loaded[0][1])
 
 
 def prompts(tokenizer, n: int, spans: tuple[int, int], seed: int = 0):
@@ -286,10 +286,7 @@ def _plot(curves, out: str) -> None:
     a.legend()
     a.grid(alpha=0.3)
   fig.suptitle("self-sparse speculative rollouts (counting workload)")
-  path = os.path.splitext(out)[0] + ".png"
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=120, bbox_inches="tight")
-  print(f"wrote {path}")
+  common.save_plot(fig, out, bbox_inches="tight")
 
 
 if __name__ == "__main__":

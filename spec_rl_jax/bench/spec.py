@@ -129,7 +129,7 @@ def main(argv=None) -> dict:
   common.print_table(rows, ["case", "system", "metric", "value"])
   print("\nsummary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
   result = common.write_results(args.out, "spec", args.quick, summary, rows)
-  _plot(curves, ks, os.path.splitext(args.out)[0] + ".png")
+  _plot(curves, ks, args.out)
   return result
 
 
@@ -173,7 +173,7 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
               res["rate"]["hf_prompt_lookup"] / res["rate"]["hf_plain"]}
 
 
-def _plot(curves, ks, path) -> None:
+def _plot(curves, ks, out) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -186,8 +186,7 @@ def _plot(curves, ks, path) -> None:
   ax.legend(fontsize=8)
   ax.grid(alpha=0.3)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
-  print(f"wrote {path}")
+  common.save_plot(fig, out)
 
 
 if __name__ == "__main__":
