@@ -99,6 +99,32 @@ def test_speculative_rounds_under_tight_budget(target, policy):
   assert m["offloads"] > 0 if policy == "naive" else m["reclaimed_pages"] > 0
 
 
+def test_offload_copies_only_the_pages_the_kv_fills(target):
+  """Room a victim holds beyond its ``length`` stays behind: an offload copies
+  ``ceil(length / Ps)`` pages, and the outputs are still those of an unlimited budget
+  (draft-model SD, whose own pools hold rejected drafts past ``length``)."""
+  reqs = _requests(seed=2)
+  draft = make_proposer("draft_model", model=target)
+  free = _engine(target, 400, SAMPLED, K=3, proposer=draft).generate(reqs)
+  engine = _engine(target, 26, SAMPLED, K=3, proposer=draft, recompute_max_tokens=0,
+                   policy="naive", grow_tokens=16)
+  seen, preempt = [], engine._preempt
+
+  def spy(sched, seq, mode):
+    held, filled = len(seq.pages), -(-seq.length // engine.config.page_size)
+    bytes0 = engine.stats["offload_bytes"]
+    preempt(sched, seq, mode)
+    seen.append((held, filled, (engine.stats["offload_bytes"] - bytes0)
+                 // engine._page_bytes()))
+
+  engine._preempt = spy
+  tight = engine.generate(reqs)
+  _same(free, tight)
+  assert seen and all(copied == filled for _, filled, copied in seen)
+  assert any(held > filled for held, filled, _ in seen)  # room was held and left behind
+  assert tight.metrics["restore_bytes"] == tight.metrics["offload_bytes"]
+
+
 def test_offload_restore_is_bit_identical(target):
   engine = _engine(target, 64, GREEDY, K=2, proposer=make_proposer("draft_model", model=target))
   st = engine._state

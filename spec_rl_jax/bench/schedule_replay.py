@@ -65,7 +65,8 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
   rounds = calls = moved = busy = 0
   while sched.busy():
     for seq, mode in sched.plan_preemptions():
-      saved = len(seq.pages) if mode == "offload" else 0  # pages an offload copies out
+      # Pages an offload copies out: those its KV fills (the room is left behind).
+      saved = min(len(seq.pages), pool.pages_for(seq.length)) if mode == "offload" else 0
       moved += saved
       sched.preempt(seq, mode, saved)
     sched.grow()

@@ -484,15 +484,17 @@ class RolloutEngine:
     return ids
 
   def _preempt(self, sched: Scheduler, seq: SeqState, mode: str) -> None:
-    """Takes ``seq`` off its slot: its row (and, to offload, its pages) to host memory."""
-    ids = self._page_ids(seq.pages if mode == "offload" else [])
+    """Takes ``seq`` off its slot: its row (and, to offload, the pages its KV fills) to
+    host memory. Room beyond ``length`` is left behind: every row there is written by a
+    later round before anything reads it."""
+    written = seq.pages[:self._pool.pages_for(seq.length)] if mode == "offload" else []
     self._state, row, pools = self._take_out_fn(self._state, jnp.int32(seq.slot),
-                                                jnp.asarray(ids))
+                                                jnp.asarray(self._page_ids(written)))
     saved = {"row": jax.device_get(row)}
     if mode == "offload":
       saved["pools"] = jax.device_get(pools)
-      saved["num_pages"] = len(seq.pages)
-      self.stats["offload_bytes"] += len(seq.pages) * self._page_bytes()
+      saved["num_pages"] = len(written)
+      self.stats["offload_bytes"] += len(written) * self._page_bytes()
     sched.preempt(seq, mode, saved)
 
   def _restore(self, seq: SeqState) -> None:

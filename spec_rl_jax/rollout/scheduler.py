@@ -7,8 +7,9 @@ the growth every running sequence needs *now*, a policy that reclaims first take
 the room other sequences hold beyond their next round (pages nothing was written to:
 no bytes move); if that is not enough, victims are preempted:
 
-  * ``offload``: their pages (every page pool in the engine state, bit for bit) and
-    their slot row go to host memory; restore copies them into fresh pages;
+  * ``offload``: the pages their KV fills (every page pool in the engine state, bit
+    for bit; room beyond ``length`` holds nothing a later round reads) and their slot
+    row go to host memory; restore copies them into fresh pages;
   * ``recompute``: only the slot row is kept; restore re-prefills the ``length``
     tokens of the sequence into fresh pages.
 
