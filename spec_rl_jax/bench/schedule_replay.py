@@ -65,8 +65,7 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
   rounds = calls = moved = busy = 0
   while sched.busy():
     for seq, mode in sched.plan_preemptions():
-      # Pages an offload copies out: those its KV fills (the room is left behind).
-      saved = min(len(seq.pages), pool.pages_for(seq.length)) if mode == "offload" else 0
+      saved = len(sched.filled_pages(seq)) if mode == "offload" else 0  # pages copied out
       moved += saved
       sched.preempt(seq, mode, saved)
     sched.grow()

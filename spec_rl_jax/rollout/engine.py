@@ -485,9 +485,8 @@ class RolloutEngine:
 
   def _preempt(self, sched: Scheduler, seq: SeqState, mode: str) -> None:
     """Takes ``seq`` off its slot: its row (and, to offload, the pages its KV fills) to
-    host memory. Room beyond ``length`` is left behind: every row there is written by a
-    later round before anything reads it."""
-    written = seq.pages[:self._pool.pages_for(seq.length)] if mode == "offload" else []
+    host memory."""
+    written = sched.filled_pages(seq) if mode == "offload" else []
     self._state, row, pools = self._take_out_fn(self._state, jnp.int32(seq.slot),
                                                 jnp.asarray(self._page_ids(written)))
     saved = {"row": jax.device_get(row)}

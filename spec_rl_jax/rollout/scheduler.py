@@ -189,6 +189,11 @@ class Scheduler:
   def pages_for(self, tokens: int) -> int:
     return self.pool.pages_for(tokens)
 
+  def filled_pages(self, seq: SeqState) -> list[int]:
+    """The pages ``seq``'s KV fills: what an offload copies (the room after them holds
+    nothing a later round reads before writing it)."""
+    return seq.pages[:self.pages_for(seq.length)]
+
   def pages_with_room(self, seq: SeqState, tokens: int) -> int:
     """Pages for ``seq``'s KV plus room for ``tokens`` more (at most its cap)."""
     return self.pages_for(min(seq.length + tokens, seq.max_tokens))
