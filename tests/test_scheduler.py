@@ -237,6 +237,28 @@ def test_reclaim_takes_back_unused_room_before_preempting(policy):
 
 
 @pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+def test_new_requests_fill_free_slots_while_a_preempted_sequence_waits(policy):
+  """Page size 4, 12 pages: B runs with 8; preempted A (length 20) needs 7 to come back
+  with its 8-token chunk, 4 are free. kv_aware starts queued C (3 pages) in the free
+  slot meanwhile; naive keeps the slot empty until A fits."""
+  reqs = [Request([1] * 4, i, max_new_tokens=60) for i in range(3)]
+  s = Scheduler(SchedulerConfig(policy=policy, grow_tokens=8), PagePool(12, 4), num_slots=2,
+                round_tokens=1, requests=reqs[2:], max_tokens=lambda r: 64)
+  b = SeqState(request=reqs[1], max_tokens=64, tick=1, pages=s.pool.allocate(8), slot=0,
+               length=28)
+  s.running, s.free_slots = {0: b}, [1]
+  a = SeqState(request=reqs[0], max_tokens=64, tick=0, length=20, mode="offload")
+  s.preempted.append(a)
+  assert s.restore_next() is None
+  c = s.admit_next()
+  if policy == "naive":
+    assert c is None and s.stats["admission_waits"] == 1
+    return
+  assert c.request is reqs[2] and c.slot == 1 and len(c.pages) == 3
+  assert list(s.preempted) == [a] and s.pool.num_free == 1
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
 def test_schedule_replay_reproduces_the_engine(target, policy):
   """bench.schedule_replay drives the same Scheduler host-only from the response
   lengths: the same rounds, device calls, preemptions and bytes as the engine (AR),
@@ -255,7 +277,7 @@ def test_schedule_replay_reproduces_the_engine(target, policy):
                  max_new=40, round_budget=c.round_budget, history=history)
     assert m["preemptions"] > 0
     for k in ("rounds", "device_calls", "preemptions", "offloads", "recomputes",
-              "reclaimed_pages", "admission_waits"):
+              "reclaimed_pages", "admission_waits", "recompute_tokens"):
       assert got.get(k, 0) == m[k], k
     assert got["moved_pages"] * engine._page_bytes() == m["offload_bytes"] + m["restore_bytes"]
     assert got["slot_utilization"] == pytest.approx(m["slot_utilization"])

@@ -8,9 +8,10 @@ loop runs up to ``round_budget`` rounds and returns when a slot needs a page or 
 requests waiting) finishes, exactly as `RolloutEngine.generate` drives the same
 `Scheduler` (a test checks that the replay reproduces the engine's rounds, calls,
 preemptions and bytes). Each AR round of a fixed-shape batch costs the same whatever
-the number of busy slots, so *rounds* stand for time (host work per call and the copies
-are not modelled; the engine measured 1-5 ms per offload + restore next to 4-6 ms per
-round on 2 CPU cores).
+the number of busy slots, so *rounds* stand for time. A recompute restore re-prefills
+the sequence: it is charged ``length / RECOMPUTE_TOKENS_PER_ROUND`` rounds. Host work
+per call and the copies are not modelled (the engine measured 1-1.5 ms per offload +
+restore of 4-64 pages next to ~7 ms per round on 2 CPU cores).
 
 Workloads: response lengths of the ``long-policy`` on the counting task (spans
 100-200, temperature 1, as in `bench.sparse`; recorded with the engine on first use,
@@ -19,9 +20,13 @@ cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32 and 64 request
 runs twice: *cold* (no earlier lengths: the first RL step) and *warm* (after one call:
 kv_aware's length model has seen the same distribution, as in every later RL step).
 
-Writes JSON (``summary``: geometric means over the workloads of naive/kv_aware rounds
-(throughput ratio) and bytes ratios, their minima, and the fraction of workloads with
->= 2x fewer bytes at >= equal throughput) and a PNG of bytes ratio vs throughput ratio.
+kv_aware runs at each of several ``recompute_max_tokens`` (0: always offload; larger:
+fewer bytes, more prefill time); naive always offloads. Both share ``--grow-tokens``.
+
+Writes JSON (``summary``: geometric means over the workloads of naive/kv_aware time
+(throughput ratio) and bytes ratios, their minima, the fraction of workloads with >= 2x
+fewer bytes at >= equal throughput and the tokens recomputed, at the default threshold
+and per threshold) and a PNG of bytes ratio vs throughput ratio (default threshold).
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
 
 
+# The engine re-prefilling L tokens of the long-policy (8 slots, 2 CPU cores) took
+# 6.8 / 16 / 22 / 37 ms for L = 64 / 128 / 256 / 512 next to ~7 ms per decode round:
+# about one round per 64 tokens, or fewer.
+RECOMPUTE_TOKENS_PER_ROUND = 64
+
+
 @dataclasses.dataclass(frozen=True)
 class ReplayRequest:
   """What the scheduler sees of a request, plus the response length it will have."""
@@ -55,14 +66,15 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
            history: Sequence[int] = ()) -> dict:
   """Runs AR rollouts of ``requests`` host-only through `Scheduler` (module docstring).
 
-  Returns rounds, device calls, the scheduler's counters, pages moved (offload +
-  restore), slot utilisation and the finished response lengths.
+  Returns decode rounds, ``time`` (in rounds: plus the charge for recompute prefills),
+  device calls, the scheduler's counters, pages moved (offload + restore), recomputed
+  tokens, slot utilisation and the finished response lengths.
   """
   pool = PagePool(num_pages, page_size)
   sched = Scheduler(config, pool, num_slots, 1, requests,
                     lambda r: len(r.prompt) + (r.max_new_tokens or max_new), history)
   done = lambda q: q.length - len(q.request.prompt) + 1 >= q.request.response_len
-  rounds = calls = moved = busy = 0
+  rounds = calls = moved = busy = recomputed = 0
   while sched.busy():
     for seq, mode in sched.plan_preemptions():
       saved = len(sched.filled_pages(seq)) if mode == "offload" else 0  # pages copied out
@@ -71,6 +83,7 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
     sched.grow()
     while (seq := sched.restore_next()) is not None:
       moved += seq.saved
+      recomputed += seq.length if seq.mode == "recompute" else 0
       seq.saved, seq.mode = None, ""
     while sched.admit_next() is not None:
       pass
@@ -92,7 +105,8 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
     rounds += n
     for s in finished:
       sched.finish(s)
-  return {"rounds": rounds, "device_calls": calls, "moved_pages": moved,
+  return {"rounds": rounds, "time": rounds + recomputed / RECOMPUTE_TOKENS_PER_ROUND,
+          "device_calls": calls, "moved_pages": moved, "recompute_tokens": recomputed,
           "slot_utilization": busy / max(rounds * num_slots, 1), **dict(sched.stats),
           "finished_lengths": sched.finished_lengths}
 
@@ -135,59 +149,85 @@ def main(argv=None) -> dict:
                   help="recorded response lengths (recorded with the engine if missing)")
   ap.add_argument("--budgets", default="0.25,0.35,0.5",
                   help="KV pages as fractions of every slot at full length")
+  ap.add_argument("--grow-tokens", type=int, default=128, help="both policies' chunk")
+  default_limit = SchedulerConfig().recompute_max_tokens
+  ap.add_argument("--recompute-max-tokens", default=f"0,64,{default_limit},512",
+                  help="kv_aware's recompute thresholds to sweep (the summary headline"
+                       f" is the default, {default_limit})")
   args = ap.parse_args(argv)
   seeds = [0, 1] if args.quick else [0, 1, 2, 3]
   sets = [(0, 32)] if args.quick else [(0, 16), (16, 32), (0, 32), (32, 64), (0, 64)]
   budgets = [float(b) for b in args.budgets.split(",")]
+  limits = [int(x) for x in args.recompute_max_tokens.split(",")]
   S, max_seq, page_size = 8, 1024, 16
   rec = record_lengths(args.lengths, seeds, max(hi for _, hi in sets), (100, 200), max_seq)
-  print(f"machine {common.machine_info()}; {S} slots, max_seq {max_seq}, budgets {budgets}")
+  print(f"machine {common.machine_info()}; {S} slots, max_seq {max_seq}, budgets {budgets},"
+        f" grow_tokens {args.grow_tokens}, recompute thresholds {limits}")
 
   rows = []
   for budget in budgets:
     for s in seeds:
       for lo, hi in sets:
         reqs = [ReplayRequest([0] * p, j, r) for j, (p, r) in enumerate(rec[str(s)][lo:hi])]
-        run = lambda policy, history: replay(
-            copy.deepcopy(reqs), SchedulerConfig(policy=policy, grow_tokens=128),
+        run = lambda policy, history, limit=0: replay(
+            copy.deepcopy(reqs), SchedulerConfig(policy=policy, grow_tokens=args.grow_tokens,
+                                                 recompute_max_tokens=limit),
             num_slots=S, num_pages=int(budget * S * max_seq // page_size),
             page_size=page_size, max_new=max_seq - 64, round_budget=32, history=history)
         naive = run("naive", ())
-        cold = run("kv_aware", ())
-        for phase, kv in (("cold", cold), ("warm", run("kv_aware", cold["finished_lengths"]))):
-          rows.append({
-              "budget": budget, "workload": f"seed{s}[{lo}:{hi}]", "phase": phase,
-              "requests": hi - lo, "throughput_ratio": naive["rounds"] / kv["rounds"],
-              "bytes_ratio": (naive["moved_pages"] / kv["moved_pages"] if kv["moved_pages"]
-                              else float("inf") if naive["moved_pages"] else 1.0),
-              "preemptions_naive": naive.get("preemptions", 0),
-              "preemptions_kv_aware": kv.get("preemptions", 0),
-              "moved_pages_naive": naive["moved_pages"], "moved_pages_kv_aware": kv["moved_pages"],
-              "utilization_naive": naive["slot_utilization"],
-              "utilization_kv_aware": kv["slot_utilization"]})
-  common.print_table(rows, ["budget", "workload", "phase", "throughput_ratio", "bytes_ratio",
+        for limit in limits:
+          cold = run("kv_aware", (), limit)
+          for phase, kv in (("cold", cold),
+                            ("warm", run("kv_aware", cold["finished_lengths"], limit))):
+            rows.append({
+                "budget": budget, "workload": f"seed{s}[{lo}:{hi}]", "phase": phase,
+                "recompute_max_tokens": limit, "requests": hi - lo,
+                "throughput_ratio": naive["time"] / kv["time"],
+                "bytes_ratio": (naive["moved_pages"] / kv["moved_pages"] if kv["moved_pages"]
+                                else float("inf") if naive["moved_pages"] else 1.0),
+                "preemptions_naive": naive.get("preemptions", 0),
+                "preemptions_kv_aware": kv.get("preemptions", 0),
+                "moved_pages_naive": naive["moved_pages"],
+                "moved_pages_kv_aware": kv["moved_pages"],
+                "recompute_tokens_kv_aware": kv["recompute_tokens"],
+                "utilization_naive": naive["slot_utilization"],
+                "utilization_kv_aware": kv["slot_utilization"]})
+  head = [r for r in rows if r["recompute_max_tokens"] == (
+      default_limit if default_limit in limits else limits[0])]
+  common.print_table(head, ["budget", "workload", "phase", "throughput_ratio", "bytes_ratio",
                             "preemptions_naive", "preemptions_kv_aware", "moved_pages_naive",
-                            "moved_pages_kv_aware"])
-  summary = {}
+                            "moved_pages_kv_aware", "recompute_tokens_kv_aware"])
+  sweep = {limit: _summarize([r for r in rows if r["recompute_max_tokens"] == limit])
+           for limit in limits}
+  summary = {**_summarize(head), "by_recompute_max_tokens": sweep}
+  print(f"\nsummary (kv_aware vs naive; ratios > 1 favour kv_aware) by kv_aware's"
+        " recompute_max_tokens:")
+  common.print_table([{"recompute_max_tokens": limit, "phase": k, **v}
+                      for limit, by_phase in sweep.items() for k, v in by_phase.items()],
+                     ["recompute_max_tokens", "phase", *summary["warm"]])
+  _plot(head, args.out)
+  return common.write_results(args.out, "schedule_replay", args.quick, summary, rows)
+
+
+def _summarize(rows) -> dict:
+  """Per phase: geometric means and minima of the ratios over the workloads, and the
+  share with >= 2x fewer bytes at >= equal throughput."""
+  out = {}
   for phase in ("cold", "warm"):
     # Workloads where naive moves nothing have no bytes ratio to speak of.
     sel = [r for r in rows if r["phase"] == phase and r["moved_pages_naive"]]
     thr = np.array([r["throughput_ratio"] for r in sel])
     byt = np.array([r["bytes_ratio"] for r in sel])
-    finite = np.minimum(byt, 1e3)
-    summary[phase] = {
+    out[phase] = {
         "workloads": len(sel),
         "throughput_ratio_geomean": float(np.exp(np.log(thr).mean())),
         "throughput_ratio_min": float(thr.min()),
-        "bytes_ratio_geomean": float(np.exp(np.log(finite).mean())),
+        "bytes_ratio_geomean": float(np.exp(np.log(np.minimum(byt, 1e3)).mean())),
         "bytes_ratio_min": float(byt.min()),
         "frac_2x_bytes_at_equal_throughput": float(np.mean((byt >= 2) & (thr >= 1))),
+        "recompute_tokens_mean": float(np.mean([r["recompute_tokens_kv_aware"] for r in sel])),
     }
-  print("\nsummary (kv_aware vs naive; ratios > 1 favour kv_aware):")
-  common.print_table([{"phase": k, **v} for k, v in summary.items()],
-                     ["phase", *summary["warm"]])
-  _plot(rows, args.out)
-  return common.write_results(args.out, "schedule_replay", args.quick, summary, rows)
+  return out
 
 
 def _plot(rows, out: str) -> None:
@@ -203,7 +243,7 @@ def _plot(rows, out: str) -> None:
                label=f"budget {budget:g}", alpha=0.7)
   ax.axvline(1.0, color="gray", ls="--")
   ax.axhline(2.0, color="gray", ls="--")
-  ax.set(xlabel="throughput ratio kv_aware / naive (rounds)",
+  ax.set(xlabel="throughput ratio kv_aware / naive (rounds + recompute prefills)",
          ylabel="KV bytes moved, naive / kv_aware", yscale="log",
          title="KV-aware scheduler vs naive (replayed workloads, warm)")
   ax.legend()
