@@ -71,7 +71,8 @@ class SchedulerConfig:
   policy: str = "kv_aware"  # kv_aware | naive (registered in `POLICIES`)
   grow_tokens: int = 256  # KV room added per growth (a chunk)
   # kv_aware: fraction of the pool kept free for hysteresis (0.02: replaying recorded
-  # response lengths through 39 workloads, 0.05 cost 1.3% throughput for 8% fewer bytes)
+  # response lengths through 59 workloads, 0.05 cost 1-2% throughput for 0-6% fewer
+  # bytes, 0 gained 1% throughput for 2-6% more bytes)
   watermark: float = 0.02
   # kv_aware: victims up to this length are recomputed instead of offloaded (moving no
   # bytes: a 256-token prefill of the long-policy costs ~3 of its decode rounds on 2 CPU
