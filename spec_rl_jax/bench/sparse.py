@@ -25,9 +25,9 @@ page budget of ``--kv-budget`` (default 0.35) of every slot at full length; the
 ``kv_aware`` policy vs ``naive`` (preempt newest, offload, no hysteresis), AR,
 alternating: tokens/s, decode rounds and device calls, pages reclaimed (unused room
 taken back instead of preempting), preemptions, offload + restore bytes, recompute
-tokens, slot utilisation (means over
-the timed repetitions, each repetition's bytes and throughput ratio, and the last one's
-utilisation trace per device call in the JSON).
+tokens, slot utilisation (means over the timed repetitions, each repetition's bytes
+and throughput ratio, and the last one's utilisation trace per device call in the
+JSON).
 
 Writes JSON (``summary``: best self-sparse speedup over AR at budget <= 25%, the
 crossover budget, acceptance lengths, scheduler bytes and throughput ratios) and a PNG of
@@ -202,8 +202,9 @@ def main(argv=None) -> dict:
     summary.update(sched)
     print()
     common.print_table(sched_rows, ["policy", "tokens_per_s", "throughput_vs_naive",
-                                    "rounds", "device_calls", "reclaimed_pages", "preemptions", "offloads", "recomputes",
-                                    "kv_bytes_moved", "recompute_tokens", "slot_utilization"])
+                                    "rounds", "device_calls", "reclaimed_pages", "preemptions",
+                                    "offloads", "recomputes", "kv_bytes_moved",
+                                    "recompute_tokens", "slot_utilization"])
   print("\nsummary:", {k: v for k, v in summary.items() if k != "acceptance_length"})
   return common.write_results(args.out, "sparse", quick, summary,
                               rows + [dict(r, part="scheduler") for r in sched_rows])
