@@ -115,3 +115,35 @@ def test_distillation_moves_the_student_towards_the_teacher(tok, trained, tmp_pa
   kl_before = _loss(initial, batch, teacher, 1.0) - entropy
   kl_after = _loss(student, batch, teacher, 1.0) - entropy
   assert 0 < kl_after < 0.75 * kl_before
+
+
+def test_init_starts_from_the_checkpoint_weights(tok, trained, tmp_path, monkeypatch):
+  _, first, _, _ = trained
+  monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path))
+  hf_io.save_hf_checkpoint(first, str(tmp_path / "stage1"), tok)
+  # Zero steps: the run's model is the init checkpoint itself.
+  cfg = dataclasses.replace(TINY, init="stage1", steps=0, seed=7)
+  model, _, _ = sft.train(cfg, str(tmp_path / "stage2"), tok, progress=False)
+  for a, b in zip(jax.tree.leaves(nnx.state(first)), jax.tree.leaves(nnx.state(model))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  batch = _eval_batch(tok, TINY)
+  cont, _, _ = sft.train(dataclasses.replace(cfg, steps=5), str(tmp_path / "cont"), tok,
+                         progress=False)
+  fresh, _, _ = sft.train(dataclasses.replace(TINY, steps=5), str(tmp_path / "fresh"), tok,
+                          progress=False)
+  assert _loss(cont, batch) < _loss(fresh, batch)  # 5 steps on top of 20 beat 5 alone
+  other = dataclasses.replace(cfg, model_overrides=(("vocab_size", 512), ("embed_dim", 32)))
+  with pytest.raises(ValueError, match="init checkpoint stage1 is a"):
+    sft.train(other, str(tmp_path / "other"), tok, progress=False)
+
+
+def test_stages_missing_from_the_cache_train_first(tmp_path, monkeypatch):
+  monkeypatch.setitem(sft.TARGETS, "a", TINY)
+  monkeypatch.setitem(sft.TARGETS, "b", dataclasses.replace(TINY, init="a"))
+  monkeypatch.setitem(sft.TARGETS, "c", dataclasses.replace(TINY, init="b"))
+  root = str(tmp_path)
+  assert sft._with_stages(["c", "b"], root) == ["a", "b", "c"]
+  os.makedirs(tmp_path / "a")
+  (tmp_path / "a" / "config.json").write_text("{}")
+  assert sft._with_stages(["c"], root) == ["b", "c"]
+  assert sft._with_stages(["a"], root) == ["a"]

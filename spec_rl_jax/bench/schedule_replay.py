@@ -14,8 +14,8 @@ per call and the copies are not modelled (the engine measured 1-1.5 ms per offlo
 restore of 4-64 pages next to ~7 ms per round on 2 CPU cores).
 
 Workloads: response lengths of the ``long-policy`` on the counting task (spans
-100-200, temperature 1, as in `bench.sparse`; recorded with the engine on first use,
-cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32 and 64 requests),
+100-500, ``max_seq_len`` 2560, temperature 1, as in `bench.sparse`; recorded with the
+engine on first use, cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32 and 64 requests),
 8 slots, KV budgets of 0.25 / 0.35 / 0.5 of every slot at full length. Each workload
 runs twice: *cold* (no earlier lengths: the first RL step) and *warm* (after one call:
 kv_aware's length model has seen the same distribution, as in every later RL step).
@@ -40,7 +40,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from spec_rl_jax.bench import common
+from spec_rl_jax.bench import common, sparse
 from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
 
@@ -114,15 +114,16 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
 def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, int],
                    max_seq: int) -> dict[str, list[tuple[int, int]]]:
   """``{seed: [(prompt_len, response_len)] * n}`` of the long-policy's responses (AR,
-  temperature 1, unlimited KV budget), recorded once into ``path``."""
+  temperature 1, unlimited KV budget), recorded once into ``path`` (again when the
+  workload there differs)."""
+  workload = {"spans": list(spans), "max_seq": max_seq}
   if os.path.exists(path):
     with open(path) as f:
       rec = json.load(f)
-    if all(len(rec.get(str(s), ())) >= n for s in seeds):
+    if rec.get("workload") == workload and all(len(rec.get(str(s), ())) >= n for s in seeds):
       return rec
   from tqdm import tqdm
 
-  from spec_rl_jax.bench import sparse
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
@@ -130,7 +131,7 @@ def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, in
   engine = RolloutEngine(policy, EngineConfig(
       num_slots=32, page_size=16, max_seq_len=max_seq, max_new_tokens=max_seq - 64,
       round_budget=64, sampling=SamplingParams(temperature=1.0), eos_ids=tok.eos_ids), tok)
-  rec = {}
+  rec = {"workload": workload}
   for s in tqdm(seeds, desc="recording response lengths"):
     ps = sparse.prompts(tok, n, spans, s)
     res = engine.generate([Request(p, j) for j, p in enumerate(ps)])
@@ -159,8 +160,8 @@ def main(argv=None) -> dict:
   sets = [(0, 32)] if args.quick else [(0, 16), (16, 32), (0, 32), (32, 64), (0, 64)]
   budgets = [float(b) for b in args.budgets.split(",")]
   limits = [int(x) for x in args.recompute_max_tokens.split(",")]
-  S, max_seq, page_size = 8, 1024, 16
-  rec = record_lengths(args.lengths, seeds, max(hi for _, hi in sets), (100, 200), max_seq)
+  S, max_seq, page_size = 8, sparse.MAX_SEQ, 16
+  rec = record_lengths(args.lengths, seeds, max(hi for _, hi in sets), sparse.SPANS, max_seq)
   print(f"machine {common.machine_info()}; {S} slots, max_seq {max_seq}, budgets {budgets},"
         f" grow_tokens {args.grow_tokens}, recompute thresholds {limits}")
 

@@ -1,11 +1,11 @@
 """Self-sparse speculative rollouts and the KV-aware scheduler on the long-response
 workload: ``python -m spec_rl_jax.bench.sparse``.
 
-Workload: the counting task (tasks/counting.py; here spans of 100-200 numbers, responses
-of ~450-900 tokens) with the
-``long-policy`` / ``long-draft`` models (trained into the cache on first use, a few
-minutes: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, RL
-sampling (temperature 1). Throughput counts emitted tokens only.
+Workload: the counting task (tasks/counting.py: spans of 100-500 numbers, responses of
+~450-2,500 tokens) with the ``long-policy`` / ``long-draft`` models (trained into the
+cache on first use, ~30 minutes on 2 CPU cores: ``python -m spec_rl_jax.sft --target
+long-policy``), held-out prompts, RL sampling (temperature 1). Throughput counts
+emitted tokens only.
 
 Part 1 — decoding: AR (K = 0), ``self_sparse`` at several page budgets (fraction of
 the slot's used pages) and K with the selection chosen once per round (the default),
@@ -43,6 +43,11 @@ import os
 import numpy as np
 
 from spec_rl_jax.bench import common
+
+
+# The full workload (``--quick``: spans (30, 60), 384 positions); also `schedule_replay`'s.
+SPANS = (100, 500)  # numbers per response: ~450-2,500 tokens
+MAX_SEQ = 2560  # positions per slot, prompt included
 
 
 def ensure_long_models(names=("long-policy", "long-draft")):
@@ -178,11 +183,11 @@ def main(argv=None) -> dict:
   policy, draft, tok = ensure_long_models()
   quick = args.quick
   B = 4 if quick else 8
-  spans = (30, 60) if quick else (100, 200)
-  max_seq = 384 if quick else 1024
+  spans = (30, 60) if quick else SPANS
+  max_seq = 384 if quick else MAX_SEQ
   page_size = 16
-  fracs = [0.125, 0.25] if quick else [0.0625, 0.125, 0.25, 0.5]
-  ks = [4] if quick else [2, 4]
+  fracs = [0.125, 0.25] if quick else [0.0625, 0.125, 0.25, 0.5, 1.0]
+  ks = [4] if quick else [4, 8]
   reps = 1
   sampling = SamplingParams(temperature=1.0)
   ps = prompts(tok, 4 * B, spans)  # 4 per slot: a run's rate does not hinge on its longest

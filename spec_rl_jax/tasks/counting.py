@@ -1,12 +1,13 @@
-"""Counting: the long-response workload (~1,000-token responses from a tiny model).
+"""Counting: the long-response workload (~450-2,500-token responses from a tiny model).
 
 Prompt ``Count from 137 to 342.``; answer every integer in order, space separated::
 
   137 138 139 ... 342 #### 342
 
-Each number is a few digit tokens, so a span of 250 numbers is a ~1,100-token response.
+Digits and spaces are single tokens, so a span of 500 numbers is a ~2,000-2,500-token
+response.
 Most of the work is local (increment the previous number, carries included), but
-stopping needs the target from the prompt, a thousand positions back: the shape of
+stopping needs the target from the prompt, up to 2,500 positions back: the shape of
 long reasoning traces that sparse drafting (spec/proposers/self_sparse.py) exploits.
 
 Difficulty: the span (numbers to write) is uniform in ``[min_span, max_span]``, the
@@ -27,7 +28,7 @@ class Counting:
   """Write every integer from ``a`` to ``b``; ``b - a + 1`` in ``[min_span, max_span]``."""
 
   min_span: int = 100
-  max_span: int = 250
+  max_span: int = 500
   max_start: int = 999
   name: str = "counting"
 
