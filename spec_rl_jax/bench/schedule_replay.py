@@ -15,10 +15,11 @@ restore of 4-64 pages next to ~7 ms per round on 2 CPU cores).
 
 Workloads: response lengths of the ``long-policy`` on the counting task (spans
 100-500, ``max_seq_len`` 2560, temperature 1, as in `bench.sparse`; recorded with the
-engine on first use, cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32 and 64 requests),
-8 slots, KV budgets of 0.25 / 0.35 / 0.5 of every slot at full length. Each workload
-runs twice: *cold* (no earlier lengths: the first RL step) and *warm* (after one call:
-kv_aware's length model has seen the same distribution, as in every later RL step).
+engine on first use, cached in ``--lengths``), 4 prompt seeds x 5 request sets (16, 32
+and 64 requests), 8 slots, KV budgets of 0.25 / 0.35 / 0.5 of every slot at full
+length. Each workload runs twice: *cold* (no earlier lengths: the first RL step) and
+*warm* (after one call: kv_aware's length model has seen the same distribution, as in
+every later RL step).
 
 kv_aware runs at each of several ``recompute_max_tokens`` (0: always offload; larger:
 fewer bytes, more prefill time); naive always offloads. Both share ``--grow-tokens``.
