@@ -43,10 +43,12 @@ import os
 import numpy as np
 
 from spec_rl_jax.bench import common
+from spec_rl_jax.tasks.counting import Counting
 
 
-# The full workload (``--quick``: spans (30, 60), 384 positions); also `schedule_replay`'s.
-SPANS = (100, 500)  # numbers per response: ~450-2,500 tokens
+# The full workload (``--quick``: spans (30, 60), 384 positions); also `schedule_replay`'s:
+# the task's default spans (the long models' training data), ~450-2,500-token responses.
+SPANS = (Counting.min_span, Counting.max_span)
 MAX_SEQ = 2560  # positions per slot, prompt included
 
 

@@ -5,9 +5,8 @@ Prompt ``Count from 137 to 342.``; answer every integer in order, space separate
   137 138 139 ... 342 #### 342
 
 Digits and spaces are single tokens, so a span of 500 numbers is a ~2,000-2,500-token
-response.
-Most of the work is local (increment the previous number, carries included), but
-stopping needs the target from the prompt, up to 2,500 positions back: the shape of
+response. Most of the work is local (increment the previous number, carries included),
+but stopping needs the target from the prompt, up to 2,500 positions back: the shape of
 long reasoning traces that sparse drafting (spec/proposers/self_sparse.py) exploits.
 
 Difficulty: the span (numbers to write) is uniform in ``[min_span, max_span]``, the
