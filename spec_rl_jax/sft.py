@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.metadata
+import importlib.util
 import json
 import os
 import time
@@ -54,10 +56,22 @@ FAST_CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type="
 
 
 def use_fast_cpu_flags() -> None:
-  """Adds `FAST_CPU_FLAGS` to ``XLA_FLAGS`` unless set; call before JAX runs anything."""
+  """Adds `FAST_CPU_FLAGS` to ``XLA_FLAGS`` unless set or the process will run on an
+  accelerator (`_runs_on_cpu`); call before JAX runs anything."""
   flags = os.environ.get("XLA_FLAGS", "")
-  if "ynn_fusion_type" not in flags:
+  if "ynn_fusion_type" not in flags and _runs_on_cpu():
     os.environ["XLA_FLAGS"] = f"{flags} {FAST_CPU_FLAGS}".strip()
+
+
+def _runs_on_cpu() -> bool:
+  """Whether JAX will pick the CPU: ``JAX_PLATFORMS`` says so, or (unset) no
+  accelerator backend is installed (a ``jax_plugins`` PJRT plugin, or libtpu)."""
+  platforms = os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return platforms.split(",")[0] == "cpu"
+  plugins = importlib.metadata.entry_points(group="jax_plugins")
+  return not (plugins or importlib.util.find_spec("jax_plugins")
+              or importlib.util.find_spec("libtpu"))
 
 
 @dataclasses.dataclass(frozen=True)

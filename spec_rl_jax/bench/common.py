@@ -6,6 +6,8 @@
 * `write_results`, `print_table`, `save_plot`: the JSON contract, the printed table and
   the PNG next to the JSON.
 * `CompileCounter`: counts backend compiles (XLA executables built) while active.
+* `torch_setup`: the ``transformers`` peers' device (the accelerator JAX runs on, if
+  torch sees it) and speed settings.
 """
 
 from __future__ import annotations
@@ -98,6 +100,27 @@ class CompileCounter:
 
   def __exit__(self, *exc):
     CompileCounter._active.remove(self)
+
+
+def torch_setup() -> str:
+  """Sets torch up as a user would for speed where JAX runs; returns the torch device.
+
+  JAX on a GPU: ``"cuda"`` with TF32 matmuls (JAX's default precision for fp32 dots on
+  GPUs, so both peers round alike). Otherwise ``"cpu"`` with one thread per core.
+  """
+  import torch
+  if jax.default_backend() == "gpu" and torch.cuda.is_available():
+    torch.set_float32_matmul_precision("high")
+    return "cuda"
+  torch.set_num_threads(os.cpu_count())
+  return "cpu"
+
+
+def torch_sync(device: str) -> None:
+  """Waits for ``device``'s queued torch work (timings end when the work does)."""
+  import torch
+  if device == "cuda":
+    torch.cuda.synchronize()
 
 
 def default_out(bench: str) -> str:

@@ -1,8 +1,9 @@
 """RL step time with AR vs speculative rollouts: ``python -m spec_rl_jax.bench.rl``.
 
-The same short GRPO run (the default recipe, no evaluation) with AR rollouts (``K =
-0``) and with speculative rollouts (``K = drafter.num_draft_tokens`` from the recipe's
-proposer, the draft model by default), measured side by side in one process:
+The same short GRPO run (a recipe: the CPU default unless ``--config``; no evaluation)
+with AR rollouts (``K = 0``) and with speculative rollouts (``K =
+drafter.num_draft_tokens`` from the recipe's proposer, the draft model by default),
+measured side by side in one process:
 
   1. **runs** — for each seed, an AR and an SD trainer built from the same
      (config, seed) take their steps interleaved (AR SD, SD AR, AR SD, ...: machine
@@ -24,7 +25,9 @@ proposer, the draft model by default), measured side by side in one process:
      sweep shows both.
 
 ``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
-minutes. JSON (``--out``), the printed tables and PNG plots next to the JSON
+minutes; ``--seeds/--steps/--batches/--lengths/--sweep-steps`` replace the plan's
+fields (e.g. a long-response recipe, ``--config configs/counting_long.yaml``, sweeps
+lengths in the thousands). JSON (``--out``), the printed tables and PNG plots next to the JSON
 (``rl_reward_curves.png``, ``rl_speedup.png``).
 """
 
@@ -152,8 +155,8 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   seed_std = float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
   diff = float(np.mean(finals["SD"]) - np.mean(finals["AR"]))
   summary = {
-      "step_speedup_sd_vs_ar_default": statistics.median(ratios["step"]),
-      "rollout_speedup_sd_vs_ar_default": statistics.median(ratios["rollout"]),
+      "step_speedup_sd_vs_ar_recipe": statistics.median(ratios["step"]),
+      "rollout_speedup_sd_vs_ar_recipe": statistics.median(ratios["rollout"]),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
@@ -232,16 +235,38 @@ def plot(out: str, curves: dict, sweep_rows: list[dict]) -> list[str]:
   return paths
 
 
+def plan_from_args(args: argparse.Namespace) -> Plan:
+  """`QUICK` or `FULL` with the fields given on the command line replaced."""
+  ints = lambda text: tuple(int(x) for x in text.split(","))
+  fields = {
+      "seeds": args.seeds and ints(args.seeds),
+      "steps": args.steps,
+      "batches": args.batches and tuple(tuple(int(x) for x in cell.split("x"))
+                                        for cell in args.batches.split(",")),
+      "lengths": args.lengths and ints(args.lengths),
+      "sweep_steps": args.sweep_steps,
+  }
+  return dataclasses.replace(QUICK if args.quick else FULL,
+                             **{k: v for k, v in fields.items() if v is not None})
+
+
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default=None, help="a recipe (default: the CPU default)")
   parser.add_argument("--quick", action="store_true", help="fewer seeds, steps and cells")
   parser.add_argument("--out", default=common.default_out("rl"))
+  parser.add_argument("--seeds", default=None, help="runs: seeds, e.g. 0,1,2")
+  parser.add_argument("--steps", type=int, default=None, help="runs: steps per run")
+  parser.add_argument("--batches", default=None,
+                      help="sweep: prompts x group cells, e.g. 2x8,8x8")
+  parser.add_argument("--lengths", default=None, help="sweep: max_new_tokens, e.g. 32,96")
+  parser.add_argument("--sweep-steps", type=int, default=None,
+                      help="sweep: measured steps per system and cell")
   parser.add_argument("overrides", nargs="*", help="section.field=value for every run")
   args = parser.parse_args(argv)
   use_fast_cpu_flags()
   base = load_config(args.config, args.overrides)
-  plan = QUICK if args.quick else FULL
+  plan = plan_from_args(args)
   with tempfile.TemporaryDirectory() as tmp:
     # Trainers of equal shapes (every seed, every system's learner) compile once.
     jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
@@ -264,9 +289,10 @@ def main(argv=None) -> dict:
   common.print_table(sweep_rows, ["case", "system", "rollout_s", "reward_s", "update_s",
                                   "step_s", "acceptance_length", "step_speedup",
                                   "rollout_speedup", "ar_rollout_share"])
-  print(f"\ndefault recipe: end-to-end step speedup SD/AR"
-        f" {summary['step_speedup_sd_vs_ar_default']:.2f}x (rollout"
-        f" {summary['rollout_speedup_sd_vs_ar_default']:.2f}x); final reward SD - AR ="
+  summary["recipe"] = args.config or "default"
+  print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
+        f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
+        f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x); final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {summary['final_reward_seed_std']:.3f}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,

@@ -4,8 +4,9 @@ Both systems run the same ~110M-parameter Qwen3 weights (random init, exported w
 exporter and loaded by ``transformers``), the same prompts, greedy, a fixed number of
 new tokens (no EOS), at batch sizes 1, 8 and 32, alternating A B A B in one process.
 
-``transformers`` is set up as its users would for speed on CPU: fp32, SDPA attention,
-``torch.inference_mode``, ``torch.set_num_threads(os.cpu_count())``, KV cache on.
+``transformers`` is set up as its users would for speed, on the device JAX runs on
+(`common.torch_setup`): fp32, SDPA attention, ``torch.inference_mode``, KV cache on; on
+CPU one torch thread per core, on a GPU CUDA with TF32 matmuls (JAX's GPU default).
 
 Also reported: the machine's read bandwidth, the batch-1 bound ``bandwidth / bytes read
 per token`` (all weights + the KV history read by attention), our fraction of it, and
@@ -15,7 +16,6 @@ the number of XLA compiles during the measured (post-warm-up) runs.
 from __future__ import annotations
 
 import argparse
-import os
 import tempfile
 import time
 
@@ -36,12 +36,13 @@ BENCH_MODEL = ModelConfig(
     max_position_embeddings=2048)
 
 
-def _hf_generate(hf, prompts: np.ndarray, new_tokens: int):
+def _hf_generate(hf, prompts: np.ndarray, new_tokens: int, device: str):
   import torch
-  ids = torch.as_tensor(prompts)
+  ids = torch.as_tensor(prompts, device=device)
   with torch.inference_mode():
     hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+  common.torch_sync(device)
 
 
 def main(argv=None) -> dict:
@@ -53,7 +54,7 @@ def main(argv=None) -> dict:
 
   import torch
   import transformers
-  torch.set_num_threads(os.cpu_count())
+  device = common.torch_setup()
 
   prompt_len, new_tokens = (32, 32) if args.quick else (64, 128)
   reps = 2 if args.quick else 5
@@ -64,9 +65,9 @@ def main(argv=None) -> dict:
   tmp = tempfile.mkdtemp(prefix="bench_rollout_")
   hf_io.save_hf_checkpoint(model, tmp)
   hf = transformers.AutoModelForCausalLM.from_pretrained(
-      tmp, dtype=torch.float32, attn_implementation="sdpa").eval()
+      tmp, dtype=torch.float32, attn_implementation="sdpa").eval().to(device)
   print(f"model: {n_params / 1e6:.1f}M params, fp32; prompt {prompt_len}, new {new_tokens};"
-        f" {reps} reps; machine {common.machine_info()}")
+        f" {reps} reps; machine {common.machine_info()}; transformers on {device}")
 
   rng = np.random.default_rng(0)
   rows, summary = [], {}
@@ -79,7 +80,7 @@ def main(argv=None) -> dict:
         sampling=SamplingParams(temperature=0.0)))
     next_id = iter(range(10**9))
     ours = lambda: engine.generate([Request(p.tolist(), next(next_id)) for p in prompts]).responses
-    theirs = lambda: _hf_generate(hf, prompts, new_tokens)
+    theirs = lambda: _hf_generate(hf, prompts, new_tokens, device)
 
     with common.CompileCounter() as warm_compiles:
       t0 = time.perf_counter()

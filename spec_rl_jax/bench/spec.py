@@ -12,7 +12,7 @@ emitted tokens only.
 Peers at batch 1 (their only supported batch size), same exported weights, same
 prompts one after another, same sampling: ``transformers`` assisted generation
 (``assistant_model``) and prompt-lookup decoding (``prompt_lookup_num_tokens``), set up
-for speed as in bench/rollout.py.
+for speed on the device JAX runs on (`common.torch_setup`, as in bench/rollout.py).
 
 Writes JSON (``summary``: best SD/AR speedup per proposer at B=1 and B=8, ours vs
 transformers assisted) and a PNG of speedup vs K per batch size.
@@ -138,11 +138,11 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
   """transformers assisted generation and prompt lookup at B=1, alternated with ours."""
   import torch
   import transformers
-  torch.set_num_threads(os.cpu_count())
+  device = common.torch_setup()
   load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(
-      d, dtype=torch.float32, attn_implementation="sdpa").eval()
+      d, dtype=torch.float32, attn_implementation="sdpa").eval().to(device)
   hf, hf_draft = load(policy_dir), load(draft_dir)
-  batches = [torch.as_tensor([p]) for p in prompts]
+  batches = [torch.as_tensor([p], device=device) for p in prompts]
 
   def hf_run(**kw):
     def go():
@@ -152,6 +152,7 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
           out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                             temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new, **kw)
           emitted += int(out.shape[1] - ids.shape[1])
+      common.torch_sync(device)
       return emitted
     return go
 
