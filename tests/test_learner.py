@@ -1,7 +1,9 @@
 """The learner's update is a function of the mini-batch only: micro-batching (gradient
-accumulation) and the device mesh change how it is computed, not what it computes."""
+accumulation, length-trimmed micro-batches) and the device mesh change how it is
+computed, not what it computes."""
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -11,11 +13,12 @@ from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
-from spec_rl_jax.rl.learner import Learner, pack_rollouts
+from spec_rl_jax.rl.learner import Learner, micro_batches, pack_rollouts, padded_len
 
 # Heads and widths divisible by every mesh axis, so parameters really are distributed.
 CFG = get_preset("tiny-qwen3", num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=96)
-N, PROMPT, RESPONSE = 16, 6, 10
+# T = 126 > 64: micro-batches of short responses are trimmed to 64 positions.
+N, PROMPT, RESPONSE = 16, 6, 120
 LEARNER = LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_size=N)
 
 
@@ -63,6 +66,39 @@ def test_micro_batches_accumulate_to_the_whole_batch_update(reference, micro):
   _assert_same(params, ref_params)
   for k in ("loss", "grad_norm", "clip_frac", "entropy", "logprob_gap"):
     np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, err_msg=k)
+
+
+def test_micro_batches_group_lengths_and_trim_only_padding():
+  batch = _batch()
+  lengths = batch["valid"].sum(1)
+  batch["weight"] = batch["mask"]
+  groups = micro_batches(batch, 2)
+  micros = [{k: v[i] for k, v in g.items()} for g in groups for i in range(len(g["adv"]))]
+  assert all(m["adv"].shape == (2,) for m in micros)
+  rows = np.concatenate([m["adv"] for m in micros])
+  assert sorted(rows) == sorted(batch["adv"])  # every response once
+  got = [m["valid"].sum(1) for m in micros]
+  assert list(np.concatenate(got)) == sorted(lengths, reverse=True)  # longest first
+  for m in micros:
+    assert m["tokens"].shape[1] == padded_len(m["valid"].sum(1).max(), PROMPT + RESPONSE)
+  assert {m["tokens"].shape[1] for m in micros} == {64, 126}  # both shapes occur
+  # Runs of one length go in power-of-two groups, one length per group.
+  widths = [m["tokens"].shape[1] for m in micros]
+  sizes = [len(g["adv"]) for g in groups]
+  assert all(n & (n - 1) == 0 for n in sizes) and sum(sizes) == N // 2
+  runs = [sum(1 for _ in run) for _, run in itertools.groupby(widths)]
+  assert len(groups) == sum(bin(r).count("1") for r in runs)
+  for full, cut in ((batch["valid"], "valid"), (batch["weight"], "weight")):
+    assert full.sum() == sum(m[cut].sum() for m in micros)  # nothing real trimmed
+  assert [padded_len(n, 2592) for n in (0, 1, 384, 385, 2500)] == [384, 384, 384, 768, 2592]
+  assert {padded_len(n, 56) for n in range(57)} == {56}
+
+
+def test_update_reports_the_positions_it_computes():
+  _, metrics = _updated(dataclasses.replace(LEARNER, micro_batch_size=4), steps=1)
+  lengths = np.sort(_batch()["valid"].sum(1))[::-1]
+  want = sum(padded_len(lengths[i:i + 4].max(), PROMPT + RESPONSE) * 4 for i in (0, 4, 8, 12))
+  assert metrics["positions_computed_frac"] == want / (N * (PROMPT + RESPONSE)) < 1
 
 
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)], ids=str)

@@ -2,9 +2,11 @@
 
 One global batch (``B·G`` responses of one step) is split into ``num_minibatches``
 mini-batches, one optimizer step each; a mini-batch is split into micro-batches whose
-gradients are accumulated (``lax.scan``) before the step. Loss weights come from the
+gradients are accumulated on device before the step. Loss weights come from the
 aggregation over the whole mini-batch (losses.py), so accumulation is exact:
-``∇L_mb = Σ_micro ∇ Σ_{i,t} w_{i,t} ℓ_{i,t}``.
+``∇L_mb = Σ_micro ∇ Σ_{i,t} w_{i,t} ℓ_{i,t}``. Micro-batches group responses of
+similar length and drop the padding columns none of them use (`micro_batches`): the
+update of a long-response step costs what its responses need, not ``T`` each.
 
 Old-policy logprobs ``log π_old`` are the rollout's (the target's verification
 logprobs); the trainer's recomputed ``log π_θ`` on the first mini-batch (same params)
@@ -17,8 +19,8 @@ the update runs under that mesh (the model's activation constraints apply).
 A non-finite loss or gradient leaves the state unchanged (the step is skipped inside
 the jitted update) and is reported as ``skipped``.
 
-Shape legend: N responses, n micro-batches, m responses per micro-batch, T time
-(prompt + response, right-padded), V vocab.
+Shape legend: N responses, m responses per micro-batch, T time (prompt + response,
+right-padded), T_b a micro-batch's trimmed time, V vocab.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from spec_rl_jax.rl import losses
 
 # Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).
 _SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio")
+BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -111,34 +114,36 @@ def _micro_loss(params, graphdef, ref_params, mb, loss_name: str, p: losses.Loss
   return (per_token * mb["weight"]).sum(), sums
 
 
-def minibatch_update(state, ref_params, mb, *, graphdef, tx, loss_name: str,
+def accumulate_grads(acc, params, ref_params, micros, *, graphdef, loss_name: str,
                      loss_params: losses.LossParams):
-  """One optimizer step on ``state = {"params", "opt"}`` from ``mb`` arrays ``[n, m, ...]``.
+  """``acc + Σ_micro (∇ Σ w ℓ, {"loss", *_SUMS})`` over micro-batches ``[n_g, m, T_b]``."""
+  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+
+  def body(acc, micro):
+    (loss, sums), grads = grad_fn(params, graphdef, ref_params, micro, loss_name,
+                                  loss_params)
+    return jax.tree.map(jnp.add, acc, (grads, {"loss": loss, **sums})), None
+
+  return jax.lax.scan(body, acc, micros)[0]
+
+
+def apply_grads(state, grads, stats, *, tx):
+  """One optimizer step on ``state = {"params", "opt"}`` from accumulated ``grads``.
 
   Returns ``(state, metrics)``; a non-finite loss or gradient norm keeps the old state
   (``metrics["skipped"] = 1``).
   """
-  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
-  zeros = jax.tree.map(jnp.zeros_like, state["params"])
-
-  def body(carry, micro):
-    grads, loss, sums = carry
-    (l, s), g = grad_fn(state["params"], graphdef, ref_params, micro, loss_name, loss_params)
-    return (jax.tree.map(jnp.add, grads, g), loss + l,
-            {k: sums[k] + s[k] for k in _SUMS}), None
-
-  init = (zeros, jnp.float32(0), {k: jnp.float32(0) for k in _SUMS})
-  (grads, loss, sums), _ = jax.lax.scan(body, init, mb)
   grad_norm = optax.tree.norm(grads)
   updates, opt = tx.update(grads, state["opt"], state["params"])
   new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  ok = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm)
   new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
-  n = jnp.maximum(sums["count"], 1.0)
-  metrics = {"loss": loss, "grad_norm": grad_norm, "skipped": 1 - ok.astype(jnp.int32),
-             "clip_frac": sums["clipped"] / n, "entropy": sums["entropy"] / n,
-             "kl": sums["kl"] / n, "logprob_gap": sums["gap_abs"] / n,
-             "ratio_mean": sums["ratio"] / n}
+  n = jnp.maximum(stats["count"], 1.0)
+  metrics = {"loss": stats["loss"], "grad_norm": grad_norm,
+             "skipped": 1 - ok.astype(jnp.int32),
+             "clip_frac": stats["clipped"] / n, "entropy": stats["entropy"] / n,
+             "kl": stats["kl"] / n, "logprob_gap": stats["gap_abs"] / n,
+             "ratio_mean": stats["ratio"] / n}
   return new, metrics
 
 
@@ -164,12 +169,21 @@ class Learner:
     self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
     self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef)
     # The state keeps its shardings across steps (donated in place, one compile; the
-    # engine's copy of the weights keeps its compiled programs too).
+    # engine's copy of the weights keeps its compiled programs too). Gradients are laid
+    # out like the parameters; the per-micro-batch sums are replicated scalars.
     state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    self._update = jax.jit(
-        functools.partial(minibatch_update, graphdef=self.graphdef, tx=self.tx,
-                          loss_name=cfg.loss, loss_params=self.loss_params),
-        donate_argnums=0, out_shardings=(state_shardings, NamedSharding(mesh, P())))
+    replicated = NamedSharding(mesh, P())
+    acc_shardings = (state_shardings["params"], {k: replicated for k in ("loss", *_SUMS)})
+    self._zeros = jax.jit(
+        lambda params: (jax.tree.map(jnp.zeros_like, params),
+                        {k: jnp.float32(0) for k in ("loss", *_SUMS)}),
+        out_shardings=acc_shardings)
+    self._accumulate = jax.jit(
+        functools.partial(accumulate_grads, graphdef=self.graphdef, loss_name=cfg.loss,
+                          loss_params=self.loss_params),
+        donate_argnums=0, out_shardings=acc_shardings)
+    self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx), donate_argnums=0,
+                          out_shardings=(state_shardings, replicated))
 
   def model(self) -> Decoder:
     """The current policy as a `Decoder` (shares the learner's buffers)."""
@@ -183,38 +197,85 @@ class Learner:
                        f" split into learner.num_minibatches={k} mini-batches of"
                        f" micro-batches of learner.micro_batch_size={m}")
 
-  def _minibatches(self, batch: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """Splits ``N`` responses into mini-batches of ``[n, m, ...]`` micro-batches."""
+  def _minibatches(self, batch: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
+    """Splits ``N`` responses into mini-batches of `micro_batches`."""
     N = batch["adv"].shape[0]
     self.check_batch_size(N)
-    k, m = self.cfg.num_minibatches, self.cfg.micro_batch_size
     out = []
-    for part in np.split(np.arange(N), k):
+    for part in np.split(np.arange(N), self.cfg.num_minibatches):
       mb = {key: v[part] for key, v in batch.items()}
       mb["weight"] = losses.aggregation_weights(self.cfg.aggregation, mb["mask"],
                                                 self.max_response_len)
-      out.append({key: v.reshape(len(part) // m, m, *v.shape[1:]) for key, v in mb.items()})
+      out.append(micro_batches(mb, self.cfg.micro_batch_size))
     return out
 
-  def _place(self, mb: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """``[n, m, ...]`` micro-batches with their ``m`` rows split over the mesh's batch
+  def _place(self, micros: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """Micro-batches ``[n_g, m, ...]`` with their ``m`` rows split over the mesh's batch
     axes (``data`` × ``fsdp``, where ``m`` divides; else replicated)."""
     shape = dict(self.mesh.shape)
     return {k: jax.device_put(v, NamedSharding(self.mesh, sharding.logical_to_spec(
-        (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in mb.items()}
+        (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in micros.items()}
 
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """One step on a packed global batch (`pack_rollouts`); returns its metrics.
 
     ``logprob_gap`` (mean |log π_θ - log π_old| over response tokens) is taken from the
     first mini-batch, whose forward still uses the rollout's parameters.
+    ``positions_computed_frac``: the share of the batch's ``N × T`` positions the
+    micro-batches' forward and backward passes compute (`micro_batches` trims padding).
     """
-    metrics = []
-    for mb in self._minibatches(batch):
+    metrics, computed = [], 0
+    for groups in self._minibatches(batch):
       with jax.set_mesh(self.mesh):
-        self.state, m = self._update(self.state, self.ref_params, self._place(mb))
+        acc = self._zeros(self.state["params"])
+        for group in groups:
+          acc = self._accumulate(acc, self.state["params"], self.ref_params,
+                                 self._place(group))
+          computed += group["tokens"].size
+        self.state, m = self._apply(self.state, *acc)
       metrics.append(jax.device_get(m))
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
     out["logprob_gap"] = float(metrics[0]["logprob_gap"])
     out["skipped"] = int(sum(m["skipped"] for m in metrics))
+    out["positions_computed_frac"] = computed / batch["tokens"].size
     return out
+
+
+def padded_len(n: int, T: int) -> int:
+  """The length a micro-batch whose sequences need ``n`` positions is padded to.
+
+  ``n`` rounded up to a multiple of ``ceil(T / BUCKETS)`` (itself a multiple of 64),
+  at most ``T``: at most `BUCKETS` shapes, so at most that many compiles of the
+  gradient (one for ``T <= 64``).
+  """
+  step = -(-T // BUCKETS)
+  step = -(-step // 64) * 64
+  return min(T, -(-max(n, 1) // step) * step)
+
+
+def micro_batches(mb: dict[str, np.ndarray], m: int) -> list[dict[str, np.ndarray]]:
+  """A mini-batch ``[k, T]`` as ``k / m`` micro-batches ``[m, T_b]``, trimmed to length,
+  stacked into groups ``[n_g, m, T_b]`` of one length (one scanned call each).
+
+  Rows are ordered by length (longest first, ties in row order), so each micro-batch
+  holds responses of similar lengths and computes ``T_b = padded_len(longest)`` positions
+  instead of ``T``: attention costs ``T_b²``, and in long-response RL the lengths of one
+  step's responses spread over thousands of tokens. The trimmed positions are padding
+  (no loss weight), so the accumulated gradient is the untrimmed one. A run of
+  micro-batches of one length is split into groups of powers of two (``n_g`` = 4 + 2 +
+  1 for 7), so the compiled shapes stay few: one for ``T <= 64``.
+  """
+  lengths = mb["valid"].sum(axis=1)
+  order = np.argsort(-lengths, kind="stable")
+  T = mb["tokens"].shape[1]
+  rows = np.split(order, len(order) // m)
+  widths = [padded_len(int(lengths[r].max()), T) for r in rows]
+  groups, i = [], 0
+  while i < len(rows):
+    run = next((j for j in range(i, len(rows)) if widths[j] != widths[i]), len(rows)) - i
+    n_g = 1 << (run.bit_length() - 1)
+    idx = np.stack(rows[i:i + n_g])  # [n_g, m]
+    groups.append({k: v[idx][:, :, :widths[i]] if v.ndim == 2 else v[idx]
+                   for k, v in mb.items()})
+    i += n_g
+  return groups
