@@ -152,7 +152,10 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
     for phase in ratios:
       ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
                         for a, b in zip(records["AR"][1:], records["SD"][1:])]
-  seed_std = float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
+  # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
+  # has no scale to be read against: null.
+  seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
+              if len(plan.seeds) > 1 else None)
   diff = float(np.mean(finals["SD"]) - np.mean(finals["AR"]))
   summary = {
       "step_speedup_sd_vs_ar_recipe": statistics.median(ratios["step"]),
@@ -161,7 +164,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
       "final_reward_seed_std": seed_std,
-      "final_reward_diff_over_seed_std": diff / seed_std if seed_std > 0 else 0.0,
+      "final_reward_diff_over_seed_std": diff / seed_std if seed_std else None,
   }
   return rows, summary, curves
 
@@ -290,11 +293,12 @@ def main(argv=None) -> dict:
                                   "step_s", "acceptance_length", "step_speedup",
                                   "rollout_speedup", "ar_rollout_share"])
   summary["recipe"] = args.config or "default"
+  std = summary["final_reward_seed_std"]
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x); final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
-        f" {summary['final_reward_seed_std']:.3f}")
+        f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
                                 reward_curves=curves, plan=dataclasses.asdict(plan))
   for p in plot(args.out, curves, sweep_rows):
