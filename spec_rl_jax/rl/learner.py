@@ -44,6 +44,7 @@ from spec_rl_jax.rl import losses
 
 # Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).
 _SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio")
+_STATS = ("loss", *_SUMS)  # what the accumulator carries besides the gradients
 BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
 
 
@@ -116,7 +117,7 @@ def _micro_loss(params, graphdef, ref_params, mb, loss_name: str, p: losses.Loss
 
 def accumulate_grads(acc, params, ref_params, micros, *, graphdef, loss_name: str,
                      loss_params: losses.LossParams):
-  """``acc + Σ_micro (∇ Σ w ℓ, {"loss", *_SUMS})`` over micro-batches ``[n_g, m, T_b]``."""
+  """``acc + Σ_micro (∇ Σ w ℓ, {_STATS})`` over micro-batches ``[n_g, m, T_b]``."""
   grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
 
   def body(acc, micro):
@@ -173,10 +174,10 @@ class Learner:
     # out like the parameters; the per-micro-batch sums are replicated scalars.
     state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
     replicated = NamedSharding(mesh, P())
-    acc_shardings = (state_shardings["params"], {k: replicated for k in ("loss", *_SUMS)})
+    acc_shardings = (state_shardings["params"], {k: replicated for k in _STATS})
     self._zeros = jax.jit(
         lambda params: (jax.tree.map(jnp.zeros_like, params),
-                        {k: jnp.float32(0) for k in ("loss", *_SUMS)}),
+                        {k: jnp.float32(0) for k in _STATS}),
         out_shardings=acc_shardings)
     self._accumulate = jax.jit(
         functools.partial(accumulate_grads, graphdef=self.graphdef, loss_name=cfg.loss,
@@ -275,7 +276,7 @@ def micro_batches(mb: dict[str, np.ndarray], m: int) -> list[dict[str, np.ndarra
     run = next((j for j in range(i, len(rows)) if widths[j] != widths[i]), len(rows)) - i
     n_g = 1 << (run.bit_length() - 1)
     idx = np.stack(rows[i:i + n_g])  # [n_g, m]
-    groups.append({k: v[idx][:, :, :widths[i]] if v.ndim == 2 else v[idx]
+    groups.append({k: v[idx, :widths[i]] if v.ndim == 2 else v[idx]
                    for k, v in mb.items()})
     i += n_g
   return groups
