@@ -86,23 +86,41 @@ def get_impl(name: str) -> AttentionImpl:
   return _IMPLS[name]
 
 
+# Query rows per block of `NoCache` attention. Gradient of the long-response policy on
+# [4, 2048] tokens, 2 CPU cores: 11.0 s unblocked, 6.1 s / 4.4 s / 4.0 s with blocks of
+# 512 / 256 / 128 rows (compile 11 s at 256, 16 s at 128).
+NOCACHE_BLOCK = 256
+
+
 @struct.dataclass
 class NoCache:
   """Attention over the tokens of this call only (training, teacher forcing, scoring).
 
-  ``valid[B, T]`` marks real tokens; a query sees keys that are valid and whose
-  position is ``<=`` its own (causal by position, so left or right padding both work).
+  Causal by index: query ``t`` sees the keys ``s <= t`` that ``valid[B, T]`` marks
+  real (padding on either side is masked out; ``positions`` only set the RoPE angles).
+
+  Queries run in blocks of `NOCACHE_BLOCK` rows, block ``i`` against keys
+  ``[0, (i + 1)·C)`` only: the keys after a block are masked for all its rows, so
+  skipping them is exact, saves about half the attention FLOPs of a long sequence and
+  keeps the ``[B, H, C, ·]`` score blocks small.
   """
 
   valid: jax.Array | None = None
   layers: Any = None
 
   def attend(self, impl: AttentionImpl, layers, l, q, k, v, positions):
-    del l
-    mask = positions[:, :, None] >= positions[:, None, :]  # [B, T, S=T]
-    if self.valid is not None:
-      mask &= self.valid[:, None, :]
-    return impl.dense(q, k, v, mask), layers
+    del l, positions
+    B, T = q.shape[:2]
+    idx = jnp.arange(T)
+    out = []
+    for start in range(0, T, NOCACHE_BLOCK):
+      end = min(start + NOCACHE_BLOCK, T)
+      mask = idx[start:end, None] >= idx[None, :end]  # [C, end]
+      mask = jnp.broadcast_to(mask, (B, end - start, end))
+      if self.valid is not None:
+        mask &= self.valid[:, None, :end]
+      out.append(impl.dense(q[:, start:end], k[:, :end], v[:, :end], mask))
+    return jnp.concatenate(out, axis=1), layers
 
   def replace(self, **kw):
     return dataclasses.replace(self, **kw)
