@@ -9,8 +9,9 @@ measured side by side in one process:
      (config, seed) take their steps interleaved (AR SD, SD AR, AR SD, ...: machine
      noise hits both alike). Reported: the median step time split (rollout, reward,
      update; each trainer's first step, which compiles, reported apart), the median
-     over steps of the per-step ratio AR time / SD time (end-to-end and rollout), and
-     the reward curves. SD is lossless, so the curves must agree within seed noise:
+     over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
+     end-to-end per response token, since the two runs draw different responses whose
+     lengths set a step's time), and the reward curves. SD is lossless, so the curves must agree within seed noise:
      the summary gives the SD − AR difference of the final reward (mean of each run's
      last third of steps, averaged over seeds) next to the seed-to-seed standard
      deviation of that final reward.
@@ -135,6 +136,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves)."""
   K = base.drafter.num_draft_tokens
   rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
+  per_token = []  # AR / SD step time per response token, per step pair
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
     trainers = {s: Trainer(variant(base, f"{tmp}/runs/{s}{seed}", k, seed))
@@ -152,6 +154,9 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
     for phase in ratios:
       ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
                         for a, b in zip(records["AR"][1:], records["SD"][1:])]
+    per_token += [(a["time/step_s"] / a["rollout/response_len"])
+                  / (b["time/step_s"] / b["rollout/response_len"])
+                  for a, b in zip(records["AR"][1:], records["SD"][1:])]
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
   seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
@@ -160,6 +165,10 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   summary = {
       "step_speedup_sd_vs_ar_recipe": statistics.median(ratios["step"]),
       "rollout_speedup_sd_vs_ar_recipe": statistics.median(ratios["rollout"]),
+      # The AR and SD runs sample different responses (same distribution, other draws):
+      # with long, widely spread lengths a step's time follows its own lengths; per
+      # response token the two compare the same work.
+      "step_speedup_per_token_sd_vs_ar_recipe": statistics.median(per_token),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
@@ -296,7 +305,8 @@ def main(argv=None) -> dict:
   std = summary["final_reward_seed_std"]
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
-        f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x); final reward SD - AR ="
+        f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
+        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x); final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
