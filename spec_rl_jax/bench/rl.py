@@ -11,10 +11,10 @@ measured side by side in one process:
      update; each trainer's first step, which compiles, reported apart), the median
      over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
      end-to-end per response token, since the two runs draw different responses whose
-     lengths set a step's time), and the reward curves. SD is lossless, so the curves must agree within seed noise:
-     the summary gives the SD − AR difference of the final reward (mean of each run's
-     last third of steps, averaged over seeds) next to the seed-to-seed standard
-     deviation of that final reward.
+     lengths set a step's time), and the reward curves. SD is lossless, so the curves
+     must agree within seed noise: the summary gives the SD − AR difference of the
+     final reward (mean of each run's last third of steps, averaged over seeds) next to
+     the seed-to-seed standard deviation of that final reward.
   2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
      batch: ``num_slots = N``) × response length ``L = max_new_tokens``, with EOS
      ignored so every response has exactly ``L`` tokens (as in vLLM's ``ignore_eos``
