@@ -116,6 +116,22 @@ def test_speculative_rounds_under_tight_budget(target, policy):
     assert any(held > filled for held, filled, _ in seen)
 
 
+@pytest.mark.parametrize("K", [0, 3])
+def test_decode_calls_read_only_the_page_columns_slots_hold(target, monkeypatch, K):
+  """Each decode call reads ``M_c`` = pow2(most pages a slot holds) page-table columns,
+  growing across calls as slots take pages; the outputs equal those of calls that read
+  all ``M`` columns (sampled, AR and with drafts)."""
+  reqs = _requests(seed=2)
+  proposer = lambda: make_proposer("draft_model", model=target) if K else None
+  M, used, call_pages = 96 // 4, [], RolloutEngine._call_pages
+  monkeypatch.setattr(RolloutEngine, "_call_pages",
+                      lambda self, sched: used.append(call_pages(self, sched)) or used[-1])
+  strips = _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs)
+  assert {8, 16} <= set(used) and max(used) < M
+  monkeypatch.setattr(RolloutEngine, "_call_pages", lambda self, sched: M)
+  _same(strips, _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs))
+
+
 def test_offload_restore_is_bit_identical(target):
   engine = _engine(target, 64, GREEDY, K=2, proposer=make_proposer("draft_model", model=target))
   st = engine._state

@@ -2,8 +2,9 @@
 batching, speculative rounds.
 
 Shape legend: ``S`` slots, ``T`` prefill bucket length, ``n`` prefill batch bucket,
-``M`` max pages per slot, ``N`` max new tokens, ``K`` draft tokens, ``V`` vocab,
-``Lh`` history length, ``R`` reference length.
+``M`` max pages per slot, ``M_c`` page-table columns one decode call reads, ``N`` max
+new tokens, ``K`` draft tokens, ``V`` vocab, ``Lh`` history length, ``R`` reference
+length.
 
 Device side (jitted, state donated so the KV pools update in place):
   * ``_prefill_insert``: runs ``n`` left-padded prompts through the model, writing their
@@ -15,7 +16,9 @@ Device side (jitted, state donated so the KV pools update in place):
     slot. Rejected positions are rolled back by length bookkeeping only. The loop
     returns to the host when a slot finishes and requests are waiting, when a slot has
     no KV room for its next round, when every slot is idle, or after ``round_budget``
-    rounds.
+    rounds. Attention reads the first ``M_c`` page-table columns only (a static
+    power-of-two bucket of the most pages a running slot holds, `_call_pages`): no slot
+    can outgrow its pages within a call, so the columns past ``M_c`` are unused.
   * ``_take_out`` / ``_put_back`` / ``_recompute_insert``: preemption — a slot's row and
     pages to the host, and back into fresh pages (or re-prefilled).
 Host side (`RolloutEngine.generate` with rollout/scheduler.py): a FIFO queue, pages
@@ -146,7 +149,7 @@ class RolloutEngine:
     self._put_back_fn = jax.jit(self._put_back, donate_argnums=0,
                                 out_shardings=state_sharding)
     state_and_replicated = (state_sharding, NamedSharding(mesh, P()))
-    self._decode_fn = jax.jit(self._decode, donate_argnums=2,
+    self._decode_fn = jax.jit(self._decode, donate_argnums=2, static_argnames="pages",
                               out_shardings=state_and_replicated)
     # `_draft_time_fraction`: each phase alone, the state donated as in the device loop.
     self._draft_only = jax.jit(self._draft_alone, donate_argnums=2,
@@ -325,9 +328,16 @@ class RolloutEngine:
     return st, jnp.any(act & ~st.active)
 
   def _decode(self, params, proposer_params, state: SlotState, key, stop_on_finish,
-              max_rounds):
-    """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``."""
+              max_rounds, *, pages: int):
+    """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``.
 
+    The rounds see the first ``pages`` (``M_c``) page-table columns only: attention then
+    reads ``S * M_c`` pages per layer instead of ``S * M``. The host passes
+    ``M_c >= capacity / Ps`` of every slot, and the loop stops before a slot outgrows its
+    capacity, so every position a call reads or writes lies in those columns.
+    """
+    full_table = state.cache.page_table
+    state = state.replace(cache=state.cache.replace(page_table=full_table[:, :pages]))
     room = self.config.num_draft_tokens + 1  # KV positions one round writes
 
     def cond(carry):
@@ -342,7 +352,7 @@ class RolloutEngine:
       return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
-    return state, rounds
+    return state.replace(cache=state.cache.replace(page_table=full_table)), rounds
 
   # ------------------------------------------------------------------ host side
 
@@ -437,7 +447,8 @@ class RolloutEngine:
       slot_rounds0 = int(self._state.counters[0])
       self._state, rounds = self._decode_fn(
           self._params, self._proposer_params(), self._state, self._key,
-          jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget))
+          jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
+          pages=self._call_pages(sched))
       rounds = int(rounds)
       self.stats["device_calls"] += 1
       self.stats["rounds"] += rounds
@@ -475,6 +486,16 @@ class RolloutEngine:
     self._state = self._state.replace(
         cache=self._state.cache.replace(page_table=jax.device_put(table, sh.cache.page_table)),
         capacity=jax.device_put(capacity, sh.capacity))
+
+  def _call_pages(self, sched: Scheduler) -> int:
+    """``M_c`` of the next decode call: the most pages a running slot holds, rounded up
+    to a power of two (at most ``log2 M + 1`` compiled variants), capped at ``M``.
+
+    Long-response recipe (`configs/counting_long.yaml`, M = 163, 16 slots, lengths
+    450-2,500): slots hold 18 pages at admission and grow 16 at a time, so calls read
+    32, 64, 128 or 163 columns instead of 163 every round."""
+    held = max((len(seq.pages) for seq in sched.running.values()), default=1)
+    return min(_pow2(held), self.config.max_pages_per_slot)
 
   def _page_ids(self, pages: list[int]) -> np.ndarray:
     """``pages`` padded with the out-of-range id ``P`` to a power of two (few compiles)."""
