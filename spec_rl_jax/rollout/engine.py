@@ -152,9 +152,9 @@ class RolloutEngine:
     self._decode_fn = jax.jit(self._decode, donate_argnums=2, static_argnames="pages",
                               out_shardings=state_and_replicated)
     # `_draft_time_fraction`: each phase alone, the state donated as in the device loop.
-    self._draft_only = jax.jit(self._draft_alone, donate_argnums=2,
+    self._draft_only = jax.jit(self._draft_alone, donate_argnums=2, static_argnames="pages",
                                out_shardings=state_and_replicated)
-    self._verify_only = jax.jit(self._verify_alone, donate_argnums=1,
+    self._verify_only = jax.jit(self._verify_alone, donate_argnums=1, static_argnames="pages",
                                 out_shardings=state_and_replicated)
     self.stats = collections.Counter()
 
@@ -280,13 +280,20 @@ class RolloutEngine:
                              jnp.concatenate([st.last[:, None], drafts], 1), positions,
                              cache=st.cache)
 
-  def _draft_alone(self, params, proposer_params, st: SlotState, key):
-    drafts, _, proposer_state = self._draft_phase(params, proposer_params, st, key)
+  @staticmethod
+  def _columns(st: SlotState, table: jax.Array) -> SlotState:
+    return st.replace(cache=st.cache.replace(page_table=table))
+
+  def _draft_alone(self, params, proposer_params, st: SlotState, key, *, pages: int):
+    full = st.cache.page_table
+    drafts, _, proposer_state = self._draft_phase(params, proposer_params,
+                                                  self._columns(st, full[:, :pages]), key)
     return st.replace(proposer=proposer_state), drafts
 
-  def _verify_alone(self, params, st: SlotState, drafts):
-    out = self._verify_phase(params, st, drafts)
-    return st.replace(cache=out.cache), out.logits
+  def _verify_alone(self, params, st: SlotState, drafts, *, pages: int):
+    full = st.cache.page_table
+    out = self._verify_phase(params, self._columns(st, full[:, :pages]), drafts)
+    return self._columns(st.replace(cache=out.cache), full), out.logits
 
   def _round(self, params, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
     """One round: propose K, verify K+1, emit 1..K+1 tokens per active slot."""
@@ -337,7 +344,7 @@ class RolloutEngine:
     capacity, so every position a call reads or writes lies in those columns.
     """
     full_table = state.cache.page_table
-    state = state.replace(cache=state.cache.replace(page_table=full_table[:, :pages]))
+    state = self._columns(state, full_table[:, :pages])
     room = self.config.num_draft_tokens + 1  # KV positions one round writes
 
     def cond(carry):
@@ -352,7 +359,7 @@ class RolloutEngine:
       return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
-    return state.replace(cache=state.cache.replace(page_table=full_table)), rounds
+    return self._columns(state, full_table), rounds
 
   # ------------------------------------------------------------------ host side
 
@@ -431,6 +438,7 @@ class RolloutEngine:
                       lambda r: len(r.prompt) + self._max_new(r) + K, self._length_history)
     done: dict[int, Response] = {}
     trace = []  # per device call: (rounds, busy slot fraction)
+    rounds_at = collections.Counter()  # decode rounds per M_c
 
     while sched.busy():
       for seq, mode in sched.plan_preemptions():
@@ -445,11 +453,13 @@ class RolloutEngine:
         self._state = self._prefill(admitted)
       self._push_page_tables(sched)
       slot_rounds0 = int(self._state.counters[0])
+      pages = self._call_pages(sched)
       self._state, rounds = self._decode_fn(
           self._params, self._proposer_params(), self._state, self._key,
           jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
-          pages=self._call_pages(sched))
+          pages=pages)
       rounds = int(rounds)
+      rounds_at[pages] += rounds
       self.stats["device_calls"] += 1
       self.stats["rounds"] += rounds
       if rounds:
@@ -470,7 +480,8 @@ class RolloutEngine:
     metrics["utilization_trace"] = trace
     if K:
       if self._draft_frac is None:  # 4 extra forwards: once per engine, not per call
-        self._draft_frac = self._draft_time_fraction()
+        self._draft_frac = self._draft_time_fraction(
+            max(rounds_at, key=rounds_at.get, default=c.max_pages_per_slot))
       metrics["draft_time_frac"] = self._draft_frac
     return RolloutResult(responses, metrics)
 
@@ -542,11 +553,12 @@ class RolloutEngine:
   def _page_bytes(self) -> int:
     return page_bytes((self._state.cache.layers, self._state.proposer))
 
-  def _draft_time_fraction(self, reps: int = 5) -> float:
+  def _draft_time_fraction(self, pages: int, reps: int = 5) -> float:
     """Share of a round spent drafting: propose calls and verify forwards alternated
     ``reps`` times after one compiling call each, medians compared (one timing of each
     swung between 0.04 and 0.49 on a shared CPU). The shapes set the cost, so
-    `generate` measures it after an engine's first rollout only.
+    `generate` measures it after an engine's first rollout only, at the ``M_c``
+    (``pages``) most of that rollout's rounds read.
 
     The engine state is threaded through both calls and donated, as in the device loop,
     so neither timing includes a copy of the KV pools (with 67 MB of pools a verify
@@ -556,10 +568,12 @@ class RolloutEngine:
     for _ in range(reps + 1):  # call 0 compiles; dropped below
       t = time.perf_counter()
       self._state, drafts = jax.block_until_ready(
-          self._draft_only(self._params, self._proposer_params(), self._state, self._key))
+          self._draft_only(self._params, self._proposer_params(), self._state, self._key,
+                           pages=pages))
       t_draft.append(time.perf_counter() - t)
       t = time.perf_counter()
-      self._state, _ = jax.block_until_ready(self._verify_only(self._params, self._state, drafts))
+      self._state, _ = jax.block_until_ready(self._verify_only(self._params, self._state,
+                                                               drafts, pages=pages))
       t_verify.append(time.perf_counter() - t)
     d, v = float(np.median(t_draft[1:])), float(np.median(t_verify[1:]))
     return d / (d + v)
