@@ -3,6 +3,8 @@
 Gathers each slot's pages into a contiguous ``[M * Ps]`` strip and runs masked
 softmax attention in fp32. It reads all ``M`` pages of every slot (masking the unused
 ones), so it costs ``O(S * M * Ps)`` memory per call; the kernel reads only used pages.
+The rollout engine passes only the page-table columns its slots hold (``M_c``, a
+power-of-two bucket: rollout/engine.py), so ``M`` here is that bucket.
 """
 
 from __future__ import annotations
