@@ -117,19 +117,23 @@ def test_speculative_rounds_under_tight_budget(target, policy):
 
 
 @pytest.mark.parametrize("K", [0, 3])
-def test_decode_calls_read_only_the_page_columns_slots_hold(target, monkeypatch, K):
-  """Each decode call reads ``M_c`` = pow2(most pages a slot holds) page-table columns,
-  growing across calls as slots take pages; the outputs equal those of calls that read
-  all ``M`` columns (sampled, AR and with drafts)."""
-  reqs = _requests(seed=2)
+def test_decode_calls_run_only_the_busy_slots_and_page_columns(target, monkeypatch, K):
+  """Each decode call runs ``S_c`` = pow2(highest running slot + 1) slots (as requests
+  finish, running rows move to the lowest free slots) and reads ``M_c`` = pow2(most
+  pages a slot holds) page-table columns; the outputs equal those of an engine that
+  never moves rows and runs all ``S`` slots and ``M`` columns (sampled, AR and drafts)."""
+  reqs = _requests(seed=1)
   proposer = lambda: make_proposer("draft_model", model=target) if K else None
-  M, used, call_pages = 96 // 4, [], RolloutEngine._call_pages
-  monkeypatch.setattr(RolloutEngine, "_call_pages",
-                      lambda self, sched: used.append(call_pages(self, sched)) or used[-1])
-  strips = _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs)
-  assert {8, 16} <= set(used) and max(used) < M
-  monkeypatch.setattr(RolloutEngine, "_call_pages", lambda self, sched: M)
-  _same(strips, _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs))
+  S, M, shapes, call_shape = 4, 96 // 4, [], RolloutEngine._call_shape
+  monkeypatch.setattr(RolloutEngine, "_call_shape",
+                      lambda self, sched: shapes.append(call_shape(self, sched)) or shapes[-1])
+  narrow = _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs)
+  slots, pages = zip(*shapes)
+  assert {8, 16} <= set(pages) and max(pages) < M
+  assert {1, 2} <= set(slots) and narrow.metrics["slot_moves"] > 0
+  monkeypatch.setattr(RolloutEngine, "_call_shape", lambda self, sched: (S, M))
+  monkeypatch.setattr(RolloutEngine, "_compact", lambda self, sched: None)
+  _same(narrow, _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs))
 
 
 def test_offload_restore_is_bit_identical(target):

@@ -46,6 +46,7 @@ class ConstantProposer:
   """Adversarial deterministic drafter: always proposes one (unlikely) token."""
 
   vocab_size = V
+  reads_other_slots = False
 
   def __init__(self, token: int):
     self.token = token

@@ -1,9 +1,9 @@
 """The slot engine: batched prefill/insert, a device-side loop of rounds, continuous
 batching, speculative rounds.
 
-Shape legend: ``S`` slots, ``T`` prefill bucket length, ``n`` prefill batch bucket,
-``M`` max pages per slot, ``M_c`` page-table columns one decode call reads, ``N`` max
-new tokens, ``K`` draft tokens, ``V`` vocab, ``Lh`` history length, ``R`` reference
+Shape legend: ``S`` slots, ``S_c`` slots one decode call runs, ``T`` prefill bucket
+length, ``n`` prefill batch bucket, ``M`` max pages per slot, ``M_c`` page-table
+columns one decode call reads, ``N`` max new tokens, ``K`` draft tokens, ``V`` vocab, ``Lh`` history length, ``R`` reference
 length.
 
 Device side (jitted, state donated so the KV pools update in place):
@@ -16,11 +16,15 @@ Device side (jitted, state donated so the KV pools update in place):
     slot. Rejected positions are rolled back by length bookkeeping only. The loop
     returns to the host when a slot finishes and requests are waiting, when a slot has
     no KV room for its next round, when every slot is idle, or after ``round_budget``
-    rounds. Attention reads the first ``M_c`` page-table columns only (a static
-    power-of-two bucket of the most pages a running slot holds, `_call_pages`): no slot
-    can outgrow its pages within a call, so the columns past ``M_c`` are unused.
+    rounds. A call runs the first ``S_c`` slots only and reads their first ``M_c``
+    page-table columns (static power-of-two buckets, `_call_shape`): the host keeps the
+    running sequences in the lowest slots (`Scheduler.compact`), so a batch's long tail
+    runs ``S_c`` rows, not ``S``; and no slot can outgrow its pages within a call, so
+    the columns past ``M_c`` are unused.
   * ``_take_out`` / ``_put_back`` / ``_recompute_insert``: preemption — a slot's row and
     pages to the host, and back into fresh pages (or re-prefilled).
+  * ``_move_rows``: compaction — running sequences' rows into lower free slots (their
+    pages stay where they are: the page table follows the sequence).
 Host side (`RolloutEngine.generate` with rollout/scheduler.py): a FIFO queue, pages
 taken on demand under the KV budget, preemption and restore when it runs short,
 refilling free slots between device calls, collecting finished responses, and the
@@ -87,6 +91,7 @@ LENGTH_HISTORY = 1024  # latest finished response lengths the scheduler models l
 # The per-slot fields a preempted sequence takes with it (``capacity`` is the host's).
 ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new", "finish",
               "history", "reference", "out_tok", "out_lp", "out_policy_lp")
+SLOT_FIELDS = (*ROW_FIELDS, "capacity")  # every [S, ...] field besides the page table
 
 
 def _pow2(n: int) -> int:
@@ -148,8 +153,12 @@ class RolloutEngine:
     self._take_out_fn = jax.jit(self._take_out, donate_argnums=0)
     self._put_back_fn = jax.jit(self._put_back, donate_argnums=0,
                                 out_shardings=state_sharding)
+    self._move_fn = jax.jit(self._move_rows, donate_argnums=0, out_shardings=state_sharding)
+    # n-gram drafts read sibling slots: every call runs all S slots.
+    self._narrow_slots = proposer is None or not proposer.reads_other_slots
     state_and_replicated = (state_sharding, NamedSharding(mesh, P()))
-    self._decode_fn = jax.jit(self._decode, donate_argnums=2, static_argnames="pages",
+    self._decode_fn = jax.jit(self._decode, donate_argnums=2,
+                              static_argnames=("slots", "pages"),
                               out_shardings=state_and_replicated)
     # `_draft_time_fraction`: each phase alone, the state donated as in the device loop.
     self._draft_only = jax.jit(self._draft_alone, donate_argnums=2, static_argnames="pages",
@@ -245,6 +254,15 @@ class RolloutEngine:
     pools = gather_pages((state.cache.layers, state.proposer), ids)
     return state.replace(active=state.active.at[slot].set(False)), row, pools
 
+  def _move_rows(self, state: SlotState, src, dst) -> SlotState:
+    """Moves the rows of slots ``src[n]`` to free slots ``dst[n]`` (pads: ``dst = S``,
+    dropped); the vacated slots become idle and groupless (no n-gram sibling)."""
+    rows = {f: getattr(state, f)[src] for f in ROW_FIELDS}
+    state = state.replace(active=state.active.at[src].set(False, mode="drop"),
+                          group=state.group.at[src].set(-1, mode="drop"))
+    return state.replace(**{f: getattr(state, f).at[dst].set(rows[f], mode="drop")
+                            for f in ROW_FIELDS})
+
   def _set_row(self, state: SlotState, slot, row) -> SlotState:
     return state.replace(**{f: getattr(state, f).at[slot].set(row[f]) for f in ROW_FIELDS})
 
@@ -335,16 +353,19 @@ class RolloutEngine:
     return st, jnp.any(act & ~st.active)
 
   def _decode(self, params, proposer_params, state: SlotState, key, stop_on_finish,
-              max_rounds, *, pages: int):
+              max_rounds, *, slots: int, pages: int):
     """Runs up to ``max_rounds`` rounds; returns ``(state, rounds run)``.
 
-    The rounds see the first ``pages`` (``M_c``) page-table columns only: attention then
-    reads ``S * M_c`` pages per layer instead of ``S * M``. The host passes
-    ``M_c >= capacity / Ps`` of every slot, and the loop stops before a slot outgrows its
-    capacity, so every position a call reads or writes lies in those columns.
+    The rounds see the first ``slots`` (``S_c``) slots and their first ``pages``
+    (``M_c``) page-table columns only: attention then reads ``S_c * M_c`` pages per
+    layer instead of ``S * M``. The host passes ``S_c`` above every running slot and
+    ``M_c >= capacity / Ps`` of every slot, and the loop stops before a slot outgrows
+    its capacity, so every row and position a call touches lies inside.
     """
-    full_table = state.cache.page_table
-    state = self._columns(state, full_table[:, :pages])
+    full = state
+    state = state.replace(
+        **{f: getattr(full, f)[:slots] for f in SLOT_FIELDS},
+        cache=full.cache.replace(page_table=full.cache.page_table[:slots, :pages]))
     room = self.config.num_draft_tokens + 1  # KV positions one round writes
 
     def cond(carry):
@@ -359,7 +380,10 @@ class RolloutEngine:
       return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
-    return self._columns(state, full_table), rounds
+    state = state.replace(
+        **{f: getattr(full, f).at[:slots].set(getattr(state, f)) for f in SLOT_FIELDS},
+        cache=state.cache.replace(page_table=full.cache.page_table))
+    return state, rounds
 
   # ------------------------------------------------------------------ host side
 
@@ -451,13 +475,14 @@ class RolloutEngine:
         admitted.append(seq)
       if admitted:
         self._state = self._prefill(admitted)
+      self._compact(sched)
       self._push_page_tables(sched)
       slot_rounds0 = int(self._state.counters[0])
-      pages = self._call_pages(sched)
+      slots, pages = self._call_shape(sched)
       self._state, rounds = self._decode_fn(
           self._params, self._proposer_params(), self._state, self._key,
           jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
-          pages=pages)
+          slots=slots, pages=pages)
       rounds = int(rounds)
       rounds_at[pages] += rounds
       self.stats["device_calls"] += 1
@@ -498,15 +523,35 @@ class RolloutEngine:
         cache=self._state.cache.replace(page_table=jax.device_put(table, sh.cache.page_table)),
         capacity=jax.device_put(capacity, sh.capacity))
 
-  def _call_pages(self, sched: Scheduler) -> int:
-    """``M_c`` of the next decode call: the most pages a running slot holds, rounded up
-    to a power of two (at most ``log2 M + 1`` compiled variants), capped at ``M``.
+  def _compact(self, sched: Scheduler) -> None:
+    """Moves running rows into the lowest free slots when that shrinks the next call's
+    ``S_c`` (not for proposers that read other slots)."""
+    if not self._narrow_slots or not sched.running:
+      return
+    if _pow2(len(sched.running)) >= _pow2(max(sched.running) + 1):
+      return
+    moves = sched.compact()
+    S = self.config.num_slots
+    src, dst = np.full((2, min(_pow2(len(moves)), S)), S, np.int32)
+    src[:len(moves)], dst[:len(moves)] = zip(*moves)
+    self._state = self._move_fn(self._state, jnp.asarray(src), jnp.asarray(dst))
+
+  def _call_shape(self, sched: Scheduler) -> tuple[int, int]:
+    """``(S_c, M_c)`` of the next decode call, each rounded up to a power of two (at
+    most ``(log2 S + 1)(log2 M + 1)`` compiled variants) and capped at ``S``, ``M``:
+    the slots up to the highest running one (all ``S`` for proposers that read other
+    slots), and the most pages a running slot holds.
 
     Long-response recipe (`configs/counting_long.yaml`, M = 163, 16 slots, lengths
     450-2,500): slots hold 18 pages at admission and grow 16 at a time, so calls read
-    32, 64, 128 or 163 columns instead of 163 every round."""
+    32, 64, 128 or 163 columns instead of 163 every round; as responses finish, the
+    rest run in 8, 4, 2 or 1 slots."""
+    c = self.config
+    slots = c.num_slots
+    if self._narrow_slots:
+      slots = min(_pow2(max(sched.running, default=0) + 1), c.num_slots)
     held = max((len(seq.pages) for seq in sched.running.values()), default=1)
-    return min(_pow2(held), self.config.max_pages_per_slot)
+    return slots, min(_pow2(held), c.max_pages_per_slot)
 
   def _page_ids(self, pages: list[int]) -> np.ndarray:
     """``pages`` padded with the out-of-range id ``P`` to a power of two (few compiles)."""

@@ -61,7 +61,7 @@ from spec_rl_jax.rollout.paged_cache import PagePool
 # Counters every rollout reports (RolloutResult.metrics), zero when nothing happened.
 SCHEDULER_STATS = ("admission_waits", "reclaimed_pages", "preemptions", "offloads",
                    "recomputes", "restores", "offload_bytes", "restore_bytes",
-                   "recompute_tokens")
+                   "recompute_tokens", "slot_moves")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,7 +354,24 @@ class Scheduler:
     self._place(seq, pages)
     return seq
 
+  def compact(self) -> list[tuple[int, int]]:
+    """Moves running sequences from the highest slots into the lowest free ones until
+    they hold slots ``0..n-1``; returns the ``(from, to)`` slot moves for the engine to
+    copy (pages stay with their sequence)."""
+    moves = []
+    while self.running and self.free_slots and min(self.free_slots) < max(self.running):
+      src, dst = max(self.running), min(self.free_slots)
+      seq = self.running.pop(src)
+      seq.slot = dst
+      self.running[dst] = seq
+      self.free_slots.remove(dst)
+      self.free_slots.append(src)
+      moves.append((src, dst))
+    self.stats["slot_moves"] += len(moves)
+    return moves
+
   def _place(self, seq: SeqState, pages: int) -> None:
-    seq.slot = self.free_slots.pop()
+    seq.slot = min(self.free_slots)  # the lowest: busy slots stay a prefix
+    self.free_slots.remove(seq.slot)
     seq.pages = self.pool.allocate(pages)
     self.running[seq.slot] = seq

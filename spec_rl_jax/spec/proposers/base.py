@@ -41,7 +41,14 @@ class DraftContext(NamedTuple):
 class Proposer(Protocol):
   """Device-side drafting. ``params`` (weights, never donated) and ``state`` (caches,
   donated with the engine state) are pytrees; the methods are traced inside the
-  engine's jitted calls."""
+  engine's jitted calls.
+
+  ``reads_other_slots``: a slot's drafts depend on other slots' rows (n-gram siblings).
+  The engine then keeps every slot in every decode call instead of running only the
+  busy leading slots (rollout/engine.py), which would hide finished siblings.
+  """
+
+  reads_other_slots: bool
 
   def params(self) -> Any:
     """Weights the proposer reads (``None`` if none)."""

@@ -47,6 +47,8 @@ def check_tokenizers_match(policy: Tokenizer, draft: Tokenizer) -> None:
 class DraftModelProposer:
   """Drafts with a smaller `Decoder` sharing the policy's vocabulary."""
 
+  reads_other_slots = False
+
   def __init__(self, model: Decoder, tokenizer: Tokenizer | None = None,
                policy_tokenizer: Tokenizer | None = None):
     if tokenizer is not None and policy_tokenizer is not None:

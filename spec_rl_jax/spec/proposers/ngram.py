@@ -33,6 +33,8 @@ from spec_rl_jax.spec.proposers.base import DraftContext, register
 class NGramProposer:
   """Suffix-match drafting over own history, siblings and earlier rollouts."""
 
+  reads_other_slots = True  # sibling rows are corpora
+
   def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_siblings: int = 8):
     if not 1 <= min_ngram <= max_ngram:
       raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")

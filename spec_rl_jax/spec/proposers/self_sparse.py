@@ -145,6 +145,8 @@ class SparseDraftView:
 class SelfSparseProposer:
   """Drafts with the policy itself under a sparse-attention page budget."""
 
+  reads_other_slots = False
+
   def __init__(self, model: Decoder, budget: PageBudget, reselect: bool = False):
     self.model_config = model.cfg
     self._graphdef = nnx.graphdef(model)
