@@ -17,7 +17,7 @@ Device side (jitted, state donated so the KV pools update in place):
     returns to the host when a slot finishes and requests are waiting, when a slot has
     no KV room for its next round, when every slot is idle, or after ``round_budget``
     rounds. A call runs the first ``S_c`` slots only and reads their first ``M_c``
-    page-table columns (static power-of-two buckets, `_call_shape`): the host keeps the
+    page-table columns (static buckets, `_call_shape`): the host keeps the
     running sequences in the lowest slots (`Scheduler.compact`), so a batch's long tail
     runs ``S_c`` rows, not ``S``; and no slot can outgrow its pages within a call, so
     the columns past ``M_c`` are unused.
@@ -528,7 +528,7 @@ class RolloutEngine:
     ``S_c`` (not for proposers that read other slots)."""
     if not self._narrow_slots or not sched.running:
       return
-    if _pow2(len(sched.running)) >= _pow2(max(sched.running) + 1):
+    if self._slot_bucket(len(sched.running)) >= self._slot_bucket(max(sched.running) + 1):
       return
     moves = sched.compact()
     S = self.config.num_slots
@@ -536,20 +536,28 @@ class RolloutEngine:
     src[:len(moves)], dst[:len(moves)] = zip(*moves)
     self._state = self._move_fn(self._state, jnp.asarray(src), jnp.asarray(dst))
 
+  def _slot_bucket(self, n: int) -> int:
+    """The fewest slots ``S / 4^j >= n``: few compiled variants (each (S_c, M_c) pair
+    compiles once; with powers of two, long-recipe SD steps kept compiling new pairs
+    mid-run), still a quarter of the rows or less for a batch's tail."""
+    S = self.config.num_slots
+    while S % 4 == 0 and S // 4 >= n:
+      S //= 4
+    return S
+
   def _call_shape(self, sched: Scheduler) -> tuple[int, int]:
-    """``(S_c, M_c)`` of the next decode call, each rounded up to a power of two (at
-    most ``(log2 S + 1)(log2 M + 1)`` compiled variants) and capped at ``S``, ``M``:
-    the slots up to the highest running one (all ``S`` for proposers that read other
-    slots), and the most pages a running slot holds.
+    """``(S_c, M_c)`` of the next decode call: the slots up to the highest running one
+    in `_slot_bucket`'s steps (all ``S`` for proposers that read other slots), and the
+    most pages a running slot holds rounded up to a power of two, capped at ``M``.
 
     Long-response recipe (`configs/counting_long.yaml`, M = 163, 16 slots, lengths
     450-2,500): slots hold 18 pages at admission and grow 16 at a time, so calls read
     32, 64, 128 or 163 columns instead of 163 every round; as responses finish, the
-    rest run in 8, 4, 2 or 1 slots."""
+    rest run in 4 or 1 slots."""
     c = self.config
     slots = c.num_slots
     if self._narrow_slots:
-      slots = min(_pow2(max(sched.running, default=0) + 1), c.num_slots)
+      slots = self._slot_bucket(max(sched.running, default=0) + 1)
     held = max((len(seq.pages) for seq in sched.running.values()), default=1)
     return slots, min(_pow2(held), c.max_pages_per_slot)
 
