@@ -3,8 +3,8 @@ batching, speculative rounds.
 
 Shape legend: ``S`` slots, ``S_c`` slots one decode call runs, ``T`` prefill bucket
 length, ``n`` prefill batch bucket, ``M`` max pages per slot, ``M_c`` page-table
-columns one decode call reads, ``N`` max new tokens, ``K`` draft tokens, ``V`` vocab, ``Lh`` history length, ``R`` reference
-length.
+columns one decode call reads, ``N`` max new tokens, ``K`` draft tokens, ``V`` vocab,
+``Lh`` history length, ``R`` reference length.
 
 Device side (jitted, state donated so the KV pools update in place):
   * ``_prefill_insert``: runs ``n`` left-padded prompts through the model, writing their
@@ -299,19 +299,29 @@ class RolloutEngine:
                              cache=st.cache)
 
   @staticmethod
-  def _columns(st: SlotState, table: jax.Array) -> SlotState:
-    return st.replace(cache=st.cache.replace(page_table=table))
+  def _narrow(state: SlotState, slots: int, pages: int) -> SlotState:
+    """The first ``slots`` rows of ``state`` and their first ``pages`` page-table columns."""
+    return state.replace(
+        **{f: getattr(state, f)[:slots] for f in SLOT_FIELDS},
+        cache=state.cache.replace(page_table=state.cache.page_table[:slots, :pages]))
+
+  @staticmethod
+  def _widen(full: SlotState, state: SlotState) -> SlotState:
+    """``state``, narrowed from ``full`` by `_narrow`, with ``full``'s shapes again."""
+    slots = state.active.shape[0]
+    return state.replace(
+        **{f: getattr(full, f).at[:slots].set(getattr(state, f)) for f in SLOT_FIELDS},
+        cache=state.cache.replace(page_table=full.cache.page_table))
 
   def _draft_alone(self, params, proposer_params, st: SlotState, key, *, pages: int):
-    full = st.cache.page_table
-    drafts, _, proposer_state = self._draft_phase(params, proposer_params,
-                                                  self._columns(st, full[:, :pages]), key)
+    narrow = self._narrow(st, self.config.num_slots, pages)
+    drafts, _, proposer_state = self._draft_phase(params, proposer_params, narrow, key)
     return st.replace(proposer=proposer_state), drafts
 
   def _verify_alone(self, params, st: SlotState, drafts, *, pages: int):
-    full = st.cache.page_table
-    out = self._verify_phase(params, self._columns(st, full[:, :pages]), drafts)
-    return self._columns(st.replace(cache=out.cache), full), out.logits
+    narrow = self._narrow(st, self.config.num_slots, pages)
+    out = self._verify_phase(params, narrow, drafts)
+    return self._widen(st, narrow.replace(cache=out.cache)), out.logits
 
   def _round(self, params, proposer_params, st: SlotState, key) -> tuple[SlotState, jax.Array]:
     """One round: propose K, verify K+1, emit 1..K+1 tokens per active slot."""
@@ -362,10 +372,7 @@ class RolloutEngine:
     ``M_c >= capacity / Ps`` of every slot, and the loop stops before a slot outgrows
     its capacity, so every row and position a call touches lies inside.
     """
-    full = state
-    state = state.replace(
-        **{f: getattr(full, f)[:slots] for f in SLOT_FIELDS},
-        cache=full.cache.replace(page_table=full.cache.page_table[:slots, :pages]))
+    full, state = state, self._narrow(state, slots, pages)
     room = self.config.num_draft_tokens + 1  # KV positions one round writes
 
     def cond(carry):
@@ -380,10 +387,7 @@ class RolloutEngine:
       return rounds + 1, st, finished | newly
 
     rounds, state, _ = jax.lax.while_loop(cond, body, (jnp.int32(0), state, jnp.bool_(False)))
-    state = state.replace(
-        **{f: getattr(full, f).at[:slots].set(getattr(state, f)) for f in SLOT_FIELDS},
-        cache=state.cache.replace(page_table=full.cache.page_table))
-    return state, rounds
+    return self._widen(full, state), rounds
 
   # ------------------------------------------------------------------ host side
 

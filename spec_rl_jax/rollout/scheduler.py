@@ -194,7 +194,7 @@ class Scheduler:
     self.queue = collections.deque(requests)
     self.preempted: collections.deque[SeqState] = collections.deque()
     self.running: dict[int, SeqState] = {}
-    self.free_slots = list(range(num_slots - 1, -1, -1))
+    self.free_slots = list(range(num_slots))
     self._max_tokens = max_tokens
     self._ticks = itertools.count()
     self.watermark_pages = int(config.watermark * pool.num_pages)
