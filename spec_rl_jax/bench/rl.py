@@ -11,7 +11,9 @@ measured side by side in one process:
      update; each trainer's first step, which compiles, reported apart), the median
      over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
      end-to-end per response token, since the two runs draw different responses whose
-     lengths set a step's time), and the reward curves. SD is lossless, so the curves
+     lengths set a step's time; and over the step pairs where neither step compiled,
+     since later steps still compile new shapes: the steady state of a long run), and
+     the reward curves. SD is lossless, so the curves
      must agree within seed noise: the summary gives the SD − AR difference of the
      final reward (mean of each run's last third of steps, averaged over seeds) next to
      the seed-to-seed standard deviation of that final reward.
@@ -101,13 +103,18 @@ def ignore_eos(trainer: Trainer) -> None:
 
 
 def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:
-  """``steps`` train steps of every trainer, alternating which goes first."""
+  """``steps`` train steps of every trainer, alternating which goes first; each
+  record also holds ``compiles``, the XLA compiles the step ran (a step whose rollout
+  or update meets new shapes: the learner compiles its gradient once per micro-batch
+  length bucket, about 5 s each for the long-response policy on 2 CPU cores)."""
   bar = tqdm(disable=True)
   records = {name: [] for name in trainers}
   names = list(trainers)
   for t in range(steps):
     for name in (names if t % 2 == 0 else names[::-1]):
-      records[name].append(trainers[name].train_step(bar))
+      with common.CompileCounter() as compiles:
+        record = trainers[name].train_step(bar)
+      records[name].append({**record, "compiles": compiles.count})
   return records
 
 
@@ -118,7 +125,8 @@ def split(records: list[dict]) -> dict:
           "first_step_s": records[0]["time/step_s"],
           "acceptance_length": float(np.mean([r["spec/acceptance_length"] for r in warm])),
           "response_len": float(np.mean([r["rollout/response_len"] for r in warm])),
-          "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm)}
+          "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm),
+          "compiling_steps": sum(r["compiles"] > 0 for r in warm)}
 
 
 def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
@@ -136,6 +144,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves)."""
   K = base.drafter.num_draft_tokens
   rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
+  compile_free = []  # AR / SD step time over the warm step pairs where neither compiled
   per_token = []  # AR / SD step time per response token, per step pair
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
@@ -157,6 +166,9 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
     per_token += [(a["time/step_s"] / a["rollout/response_len"])
                   / (b["time/step_s"] / b["rollout/response_len"])
                   for a, b in zip(records["AR"][1:], records["SD"][1:])]
+    compile_free += [a["time/step_s"] / b["time/step_s"]
+                     for a, b in zip(records["AR"][1:], records["SD"][1:])
+                     if not a["compiles"] and not b["compiles"]]
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
   seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
@@ -169,6 +181,12 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       # with long, widely spread lengths a step's time follows its own lengths; per
       # response token the two compare the same work.
       "step_speedup_per_token_sd_vs_ar_recipe": statistics.median(per_token),
+      # Warm steps can still compile (new micro-batch lengths, new decode shapes); a
+      # long run amortises that, so the pairs where neither step compiled are the
+      # steady state (null when there are none).
+      "step_speedup_sd_vs_ar_recipe_compile_free": (
+          statistics.median(compile_free) if compile_free else None),
+      "compile_free_step_pairs": len(compile_free),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
@@ -288,8 +306,9 @@ def main(argv=None) -> dict:
           f" max_new_tokens {base.rollout.max_new_tokens}, seeds {list(plan.seeds)},"
           f" {plan.steps} steps")
     common.print_table(run_rows, ["seed", "system", "rollout_s", "reward_s", "update_s",
-                                  "step_s", "first_step_s", "acceptance_length",
-                                  "response_len", "reward_mean", "reward_final"])
+                                  "step_s", "first_step_s", "compiling_steps",
+                                  "acceptance_length", "response_len", "reward_mean",
+                                  "reward_final"])
     sweep_rows, sweep_summary = run_sweep(base, plan, tmp)
   summary.update(sweep_summary)
   step_cells = {k: v for k, v in sweep_summary.items() if k.startswith("step_")}
@@ -306,7 +325,10 @@ def main(argv=None) -> dict:
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
-        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x); final reward SD - AR ="
+        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; over"
+        f" {summary['compile_free_step_pairs']} step pairs without compiles"
+        f" {_fmt_ratio(summary['step_speedup_sd_vs_ar_recipe_compile_free'])});"
+        f" final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
@@ -314,6 +336,10 @@ def main(argv=None) -> dict:
   for p in plot(args.out, curves, sweep_rows):
     print(f"wrote {p}")
   return result["summary"]
+
+
+def _fmt_ratio(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:.2f}x"
 
 
 if __name__ == "__main__":
