@@ -318,8 +318,8 @@ def main(argv=None) -> dict:
   summary["num_draft_tokens"] = base.drafter.num_draft_tokens
   print("\nsweep (EOS ignored: every response has L tokens)")
   common.print_table(sweep_rows, ["case", "system", "rollout_s", "reward_s", "update_s",
-                                  "step_s", "acceptance_length", "step_speedup",
-                                  "rollout_speedup", "ar_rollout_share"])
+                                  "step_s", "compiling_steps", "acceptance_length",
+                                  "step_speedup", "rollout_speedup", "ar_rollout_share"])
   summary["recipe"] = args.config or "default"
   std = summary["final_reward_seed_std"]
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
