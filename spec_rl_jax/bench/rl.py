@@ -160,14 +160,12 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       finals[s].append(float(np.mean(rewards[-max(len(rewards) // 3, 1):])))
       rows.append({"case": "runs", "seed": seed, "system": s, **split(records[s]),
                    "reward_mean": float(np.mean(rewards)), "reward_final": finals[s][-1]})
+    warm_pairs = list(zip(records["AR"][1:], records["SD"][1:]))
     for phase in ratios:
-      ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
-                        for a, b in zip(records["AR"][1:], records["SD"][1:])]
+      ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"] for a, b in warm_pairs]
     per_token += [(a["time/step_s"] / a["rollout/response_len"])
-                  / (b["time/step_s"] / b["rollout/response_len"])
-                  for a, b in zip(records["AR"][1:], records["SD"][1:])]
-    compile_free += [a["time/step_s"] / b["time/step_s"]
-                     for a, b in zip(records["AR"][1:], records["SD"][1:])
+                  / (b["time/step_s"] / b["rollout/response_len"]) for a, b in warm_pairs]
+    compile_free += [a["time/step_s"] / b["time/step_s"] for a, b in warm_pairs
                      if not a["compiles"] and not b["compiles"]]
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
@@ -321,13 +319,13 @@ def main(argv=None) -> dict:
                                   "step_s", "compiling_steps", "acceptance_length",
                                   "step_speedup", "rollout_speedup", "ar_rollout_share"])
   summary["recipe"] = args.config or "default"
-  std = summary["final_reward_seed_std"]
+  std, free = summary["final_reward_seed_std"], summary["step_speedup_sd_vs_ar_recipe_compile_free"]
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
         f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; over"
         f" {summary['compile_free_step_pairs']} step pairs without compiles"
-        f" {_fmt_ratio(summary['step_speedup_sd_vs_ar_recipe_compile_free'])});"
+        f" {'n/a' if free is None else f'{free:.2f}x'});"
         f" final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
@@ -336,10 +334,6 @@ def main(argv=None) -> dict:
   for p in plot(args.out, curves, sweep_rows):
     print(f"wrote {p}")
   return result["summary"]
-
-
-def _fmt_ratio(x: float | None) -> str:
-  return "n/a" if x is None else f"{x:.2f}x"
 
 
 if __name__ == "__main__":
