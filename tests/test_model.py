@@ -122,7 +122,7 @@ def test_padding_does_not_leak():
 def test_blocked_attention_equals_unblocked(monkeypatch):
   """`NoCache` in query blocks (3 blocks of 4 rows, the last one short) equals one block:
   logits and gradients, right- and left-padded rows."""
-  from spec_rl_jax.models import attention
+  from spec_rl_jax.models import causal_attention
   cfg = get_preset("tiny-qwen3")
   model = init_decoder(cfg, seed=5)
   tokens, pos = _batch(cfg, B=2, T=10)
@@ -134,7 +134,7 @@ def test_blocked_attention_equals_unblocked(monkeypatch):
     return model(tokens, pos, cache=NoCache(valid=valid)).logits, value, grads
 
   whole = run()
-  monkeypatch.setattr(attention, "NOCACHE_BLOCK", 4)
+  monkeypatch.setattr(causal_attention, "QUERY_BLOCK", 4)
   blocked = run()
   np.testing.assert_allclose(np.asarray(blocked[0]) * valid[..., None],
                              np.asarray(whole[0]) * valid[..., None], atol=1e-5)
@@ -143,6 +143,39 @@ def test_blocked_attention_equals_unblocked(monkeypatch):
   # another order differ by up to 3e-5.
   for a, b in zip(jax.tree.leaves(blocked[2]), jax.tree.leaves(whole[2])):
     np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+@pytest.mark.parametrize("block", [4, 16])
+def test_causal_attention_gradients_match_autodiff_reference(monkeypatch, block):
+  """The recomputing backward of `causal_attention` (GQA, padding on both sides, blocks
+  of 4 rows or one block) equals autodiff through the reference softmax attention with
+  the full causal mask, in float64; rows with no visible key are zero either way."""
+  from spec_rl_jax.models import attention, causal_attention
+  monkeypatch.setattr(causal_attention, "QUERY_BLOCK", block)
+  B, T, H, K, Dh = 3, 10, 4, 2, 8
+  with jax.enable_x64(True):
+    rng = np.random.default_rng(0)
+    q, k, v, w = (jnp.asarray(rng.standard_normal(s)) for s in
+                  [(B, T, H, Dh), (B, T, K, Dh), (B, T, K, Dh), (B, T, H, Dh)])
+    valid = jnp.asarray(np.arange(T)[None] < np.array([[10], [6], [10]]))
+    valid &= jnp.asarray(np.arange(T)[None] >= np.array([[0], [0], [3]]))
+    mask = (jnp.arange(T)[:, None] >= jnp.arange(T)[None]) & valid[:, None, :]
+
+    def loss(fn):  # a random linear read-out of every row: every cotangent is non-zero
+      return lambda q, k, v: jnp.sum(fn(q, k, v) * w)
+
+    ours = jax.value_and_grad(loss(lambda q, k, v: causal_attention.causal_attention(
+        q, k, v, valid)), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.value_and_grad(loss(lambda q, k, v: attention.dot_product_attention(
+        q, k, v, mask)), argnums=(0, 1, 2))(q, k, v)
+    out = causal_attention.causal_attention(q, k, v, valid)
+    assert out.dtype == jnp.float64
+    np.testing.assert_array_equal(out[2, :3], 0.0)
+    np.testing.assert_allclose(out, attention.dot_product_attention(q, k, v, mask),
+                               atol=1e-12)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+      assert np.abs(b).max() > 0.1
+      np.testing.assert_allclose(a, b, atol=1e-12)
 
 
 def test_config_validation():

@@ -151,7 +151,7 @@ def test_pallas_kernel_in_the_engine_matches_xla(monkeypatch):
   import kernels_pallas
   from spec_rl_jax.models import attention
   monkeypatch.setitem(attention._IMPLS, "pallas", attention.AttentionImpl(
-      dense=attention.dot_product_attention,
+      dense=attention.dot_product_attention, causal=attention.causal_attention,
       paged=functools.partial(kernels_pallas.verify_attention, impl="pallas", interpret=True),
       sparse=functools.partial(kernels_pallas.sparse_attention, impl="pallas", interpret=True)))
   cfg = get_preset("tiny-qwen3")

@@ -30,8 +30,7 @@ import jax.numpy as jnp
 from flax import struct
 
 import kernels_pallas
-
-NEG_INF = -1e30  # finite so fully-masked rows stay NaN-free
+from spec_rl_jax.models.causal_attention import NEG_INF, causal_attention
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -44,18 +43,20 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     v: ``[B, S, K, Dh]`` values.
     mask: ``[B, T, S]`` bool, True where query ``t`` may attend key ``s``.
   Returns:
-    ``[B, T, H, Dh]`` in fp32; rows with no visible key are zero.
+    ``[B, T, H, Dh]`` in fp32 (or the inputs' dtype if wider); rows with no visible
+    key are zero.
   """
   B, T, H, Dh = q.shape
   K = k.shape[2]
   qg = q.reshape(B, T, K, H // K, Dh)
-  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  acc = jnp.promote_types(q.dtype, jnp.float32)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=acc)
   logits = logits * (Dh ** -0.5)
   m = mask[:, None, None, :, :]
   logits = jnp.where(m, logits, NEG_INF)
   probs = jax.nn.softmax(logits, axis=-1)
   probs = jnp.where(m, probs, 0.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(jnp.float32))
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v.astype(acc))
   return out.reshape(B, T, H, Dh)
 
 
@@ -64,6 +65,8 @@ class AttentionImpl:
   """The functions one implementation provides."""
 
   dense: Callable[..., jax.Array]  # (q, k, v, mask) -> out
+  # (q [B,T,H,Dh], k, v [B,T,K,Dh], valid [B,T] | None) -> out: causal, cache-free
+  causal: Callable[..., jax.Array]
   # (q [S,T,H,Dh], k_pages [Hk,P,Ps,Dh], v_pages, page_table [S,M], kv_lens [S]) -> out
   paged: Callable[..., jax.Array]
   # paged arguments + (sel_idx, sel_valid [S,Hk,B]) -> (out, m, l): selected pages only
@@ -71,9 +74,10 @@ class AttentionImpl:
 
 
 # "pallas": Mosaic kernels on TPU; elsewhere kernels_pallas falls back to the reference
-# (logged once). Dense (cache-free) attention has no kernel: training uses XLA's.
+# (logged once). Cache-free attention has no kernel: training uses XLA's, blocked with a
+# recomputing backward (models/causal_attention.py).
 _IMPLS: dict[str, AttentionImpl] = {
-    name: AttentionImpl(dense=dot_product_attention,
+    name: AttentionImpl(dense=dot_product_attention, causal=causal_attention,
                         paged=functools.partial(kernels_pallas.verify_attention, impl=name),
                         sparse=functools.partial(kernels_pallas.sparse_attention, impl=name))
     for name in ("xla", "pallas")
@@ -86,23 +90,14 @@ def get_impl(name: str) -> AttentionImpl:
   return _IMPLS[name]
 
 
-# Query rows per block of `NoCache` attention. Gradient of the long-response policy on
-# [4, 2048] tokens, 2 CPU cores: 11.0 s unblocked, 6.1 s / 4.4 s / 4.0 s with blocks of
-# 512 / 256 / 128 rows (compile 11 s at 256, 16 s at 128).
-NOCACHE_BLOCK = 256
-
-
 @struct.dataclass
 class NoCache:
   """Attention over the tokens of this call only (training, teacher forcing, scoring).
 
   Causal by index: query ``t`` sees the keys ``s <= t`` that ``valid[B, T]`` marks
   real (padding on either side is masked out; ``positions`` only set the RoPE angles).
-
-  Queries run in blocks of `NOCACHE_BLOCK` rows, block ``i`` against keys
-  ``[0, (i + 1)·C)`` only: the keys after a block are masked for all its rows, so
-  skipping them is exact, saves about half the attention FLOPs of a long sequence and
-  keeps the ``[B, H, C, ·]`` score blocks small.
+  The implementation's ``causal`` attention runs it (query blocks, recomputing
+  backward: models/causal_attention.py).
   """
 
   valid: jax.Array | None = None
@@ -110,17 +105,7 @@ class NoCache:
 
   def attend(self, impl: AttentionImpl, layers, l, q, k, v, positions):
     del l, positions
-    B, T = q.shape[:2]
-    idx = jnp.arange(T)
-    out = []
-    for start in range(0, T, NOCACHE_BLOCK):
-      end = min(start + NOCACHE_BLOCK, T)
-      mask = idx[start:end, None] >= idx[None, :end]  # [C, end]
-      mask = jnp.broadcast_to(mask, (B, end - start, end))
-      if self.valid is not None:
-        mask &= self.valid[:, None, :end]
-      out.append(impl.dense(q[:, start:end], k[:, :end], v[:, :end], mask))
-    return jnp.concatenate(out, axis=1), layers
+    return impl.causal(q, k, v, self.valid), layers
 
   def replace(self, **kw):
     return dataclasses.replace(self, **kw)
