@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.metadata
-import importlib.util
 import json
 import os
 import time
@@ -43,36 +41,11 @@ from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
-from spec_rl_jax.models.transformer import init_decoder, param_count
+from spec_rl_jax.models.transformer import (init_decoder, param_count,
+                                            training_compiler_options)
 from spec_rl_jax.tasks.bpe import default_tokenizer
 
 # Shape legend: B batch, T time, V vocab.
-
-# XLA:CPU's default loop emitter runs the transposed elementwise fusions of the MLP
-# backward ~10x slower than YNNPACK; routing elementwise ops to YNNPACK roughly halves
-# a training step of the default policy on CPU.
-FAST_CPU_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type="
-                  "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE")
-
-
-def use_fast_cpu_flags() -> None:
-  """Adds `FAST_CPU_FLAGS` to ``XLA_FLAGS`` unless set or the process will run on an
-  accelerator (`_runs_on_cpu`); call before JAX runs anything."""
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "ynn_fusion_type" not in flags and _runs_on_cpu():
-    os.environ["XLA_FLAGS"] = f"{flags} {FAST_CPU_FLAGS}".strip()
-
-
-def _runs_on_cpu() -> bool:
-  """Whether JAX will pick the CPU: ``JAX_PLATFORMS`` says so, or (unset) no
-  accelerator backend is installed (a ``jax_plugins`` PJRT plugin, or libtpu)."""
-  platforms = os.environ.get("JAX_PLATFORMS", "")
-  if platforms:
-    return platforms.split(",")[0] == "cpu"
-  plugins = importlib.metadata.entry_points(group="jax_plugins")
-  return not (plugins or importlib.util.find_spec("jax_plugins")
-              or importlib.util.find_spec("libtpu"))
-
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
@@ -161,8 +134,6 @@ def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float):
   return loss, {**metrics, "loss": loss}
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "teacher_graphdef", "tx",
-                                             "distill_weight"), donate_argnums=(1,))
 def train_step(graphdef, state, batch, teacher_params=None, *, teacher_graphdef=None,
                tx, distill_weight: float = 0.0):
   """One optimizer step on ``state = {"params", "opt", "step"}``."""
@@ -228,8 +199,9 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
       raise ValueError(f"{run_dir} holds a run with a different config; delete it or"
                        " use another run directory")
   teacher_graphdef, teacher_params = _teacher(cfg, tokenizer)
-  step_fn = functools.partial(train_step, graphdef, teacher_graphdef=teacher_graphdef,
-                              tx=tx, distill_weight=cfg.distill_weight)
+  step_fn = jax.jit(functools.partial(train_step, graphdef, teacher_graphdef=teacher_graphdef,
+                                      tx=tx, distill_weight=cfg.distill_weight),
+                    donate_argnums=0, compiler_options=training_compiler_options())
   writer = SummaryWriter(os.path.join(run_dir, "tb"))
   start = int(state["step"])
   metrics, tokens, t0 = {}, 0, time.perf_counter()
@@ -331,7 +303,6 @@ def main(argv: Sequence[str] | None = None) -> None:
   if "model_overrides" in overrides:  # key=value, values as JSON
     pairs = [kv.partition("=") for kv in overrides["model_overrides"]]
     overrides["model_overrides"] = tuple((k, json.loads(v)) for k, _, v in pairs)
-  use_fast_cpu_flags()
   targets = list(DEFAULT_TARGETS) if args.target == "all" else [args.target]
   report = produce(targets, overrides, progress=not args.no_progress, eval_n=args.eval_n)
   print(format_report(report))

@@ -52,7 +52,6 @@ from spec_rl_jax.rl.rewards import batch_rewards
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
-from spec_rl_jax.sft import use_fast_cpu_flags
 from spec_rl_jax.spec.proposers import Proposer, make_proposer
 from spec_rl_jax.spec.proposers.self_sparse import PageBudget
 
@@ -350,7 +349,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("overrides", nargs="*", help="section.field=value")
   args = parser.parse_args(argv)
   cfg = load_config(args.config, args.overrides)
-  use_fast_cpu_flags()
   if cfg.policy.distributed:
     jax.distributed.initialize()
   if not cfg.run_dir:

@@ -50,7 +50,6 @@ from tqdm import tqdm
 from spec_rl_jax.bench import common
 from spec_rl_jax.config import TrainConfig, load_config
 from spec_rl_jax.rollout.engine import RolloutEngine
-from spec_rl_jax.sft import use_fast_cpu_flags
 from spec_rl_jax.train import Trainer
 
 PHASES = ("rollout", "reward", "update", "step")
@@ -292,7 +291,6 @@ def main(argv=None) -> dict:
                       help="sweep: measured steps per system and cell")
   parser.add_argument("overrides", nargs="*", help="section.field=value for every run")
   args = parser.parse_args(argv)
-  use_fast_cpu_flags()
   base = load_config(args.config, args.overrides)
   plan = plan_from_args(args)
   with tempfile.TemporaryDirectory() as tmp:

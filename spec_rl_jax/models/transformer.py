@@ -137,6 +137,20 @@ def inference_weights(model: Decoder) -> Weights:
   return Weights(nnx.state(model), layers)
 
 
+# The XLA:CPU option for training programs (forward + backward): YNNPACK runs the
+# elementwise fusions too, which XLA's loop emitter runs ~10x slower in the MLP's
+# backward (a default-policy training step about halves). Decoding loses with it (a
+# speculative round of the default policy/draft pair at batch 1: 3.7 -> 4.7 ms), so it
+# is set per program (`jax.jit(..., compiler_options=...)`), never process-wide.
+_CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
+                         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
+
+
+def training_compiler_options() -> dict[str, str] | None:
+  """``compiler_options`` for jitted training steps on the current backend."""
+  return dict(_CPU_TRAINING_OPTIONS) if jax.default_backend() == "cpu" else None
+
+
 def apply(graphdef: nnx.GraphDef, weights: Weights, tokens: jax.Array, positions: jax.Array,
           **kwargs) -> DecoderOutput:
   """``Decoder.__call__`` of the model ``(graphdef, weights)`` (traceable)."""

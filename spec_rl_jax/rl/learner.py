@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.attention import NoCache
-from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.models.transformer import Decoder, training_compiler_options
 from spec_rl_jax.rl import losses
 
 # Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).
@@ -182,9 +182,11 @@ class Learner:
     self._accumulate = jax.jit(
         functools.partial(accumulate_grads, graphdef=self.graphdef, loss_name=cfg.loss,
                           loss_params=self.loss_params),
-        donate_argnums=0, out_shardings=acc_shardings)
+        donate_argnums=0, out_shardings=acc_shardings,
+        compiler_options=training_compiler_options())
     self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx), donate_argnums=0,
-                          out_shardings=(state_shardings, replicated))
+                          out_shardings=(state_shardings, replicated),
+                          compiler_options=training_compiler_options())
 
   def model(self) -> Decoder:
     """The current policy as a `Decoder` (shares the learner's buffers)."""
