@@ -12,9 +12,10 @@ measured side by side in one process:
      over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
      end-to-end per response token, since the two runs draw different responses whose
      lengths set a step's time; and over the step pairs where neither step compiled,
-     since later steps still compile new shapes: the steady state of a long run), and
-     the reward curves. SD is lossless, so the curves
-     must agree within seed noise: the summary gives the SD − AR difference of the
+     since later steps still compile new shapes: the steady state of a long run; and
+     over every warm pair with each step's compile seconds subtracted, which counts
+     every pair where the compile-free ones may be few), and the reward curves. SD is
+     lossless, so the curves must agree within seed noise: the summary gives the SD − AR difference of the
      final reward (mean of each run's last third of steps, averaged over seeds) next to
      the seed-to-seed standard deviation of that final reward.
   2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
@@ -105,7 +106,8 @@ def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]
   """``steps`` train steps of every trainer, alternating which goes first; each
   record also holds ``compiles``, the XLA compiles the step ran (a step whose rollout
   or update meets new shapes: the learner compiles its gradient once per micro-batch
-  length bucket, about 5 s each for the long-response policy on 2 CPU cores)."""
+  length bucket, about 5 s each for the long-response policy on 2 CPU cores), and
+  ``compile_s``, the seconds they took (tracing and lowering included)."""
   bar = tqdm(disable=True)
   records = {name: [] for name in trainers}
   names = list(trainers)
@@ -113,7 +115,8 @@ def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]
     for name in (names if t % 2 == 0 else names[::-1]):
       with common.CompileCounter() as compiles:
         record = trainers[name].train_step(bar)
-      records[name].append({**record, "compiles": compiles.count})
+      records[name].append({**record, "compiles": compiles.count,
+                            "compile_s": compiles.seconds})
   return records
 
 
@@ -125,7 +128,8 @@ def split(records: list[dict]) -> dict:
           "acceptance_length": float(np.mean([r["spec/acceptance_length"] for r in warm])),
           "response_len": float(np.mean([r["rollout/response_len"] for r in warm])),
           "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm),
-          "compiling_steps": sum(r["compiles"] > 0 for r in warm)}
+          "compiling_steps": sum(r["compiles"] > 0 for r in warm),
+          "compile_s": statistics.median(r["compile_s"] for r in warm)}
 
 
 def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
@@ -144,6 +148,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   K = base.drafter.num_draft_tokens
   rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
   compile_free = []  # AR / SD step time over the warm step pairs where neither compiled
+  excl_compile = []  # AR / SD step time less each step's compile seconds, per step pair
   per_token = []  # AR / SD step time per response token, per step pair
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
@@ -166,6 +171,8 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
                   / (b["time/step_s"] / b["rollout/response_len"]) for a, b in warm_pairs]
     compile_free += [a["time/step_s"] / b["time/step_s"] for a, b in warm_pairs
                      if not a["compiles"] and not b["compiles"]]
+    excl_compile += [(a["time/step_s"] - a["compile_s"]) / (b["time/step_s"] - b["compile_s"])
+                     for a, b in warm_pairs]
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
   seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
@@ -184,6 +191,9 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       "step_speedup_sd_vs_ar_recipe_compile_free": (
           statistics.median(compile_free) if compile_free else None),
       "compile_free_step_pairs": len(compile_free),
+      # Every warm pair with each step's compile seconds taken out (compile time is
+      # reported apart, never mixed into throughput: ../shared/BENCHMARKS.md).
+      "step_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(excl_compile),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
@@ -303,7 +313,7 @@ def main(argv=None) -> dict:
           f" {plan.steps} steps")
     common.print_table(run_rows, ["seed", "system", "rollout_s", "reward_s", "update_s",
                                   "step_s", "first_step_s", "compiling_steps",
-                                  "acceptance_length", "response_len", "reward_mean",
+                                  "compile_s", "acceptance_length", "response_len", "reward_mean",
                                   "reward_final"])
     sweep_rows, sweep_summary = run_sweep(base, plan, tmp)
   summary.update(sweep_summary)
@@ -323,7 +333,8 @@ def main(argv=None) -> dict:
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
         f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; over"
         f" {summary['compile_free_step_pairs']} step pairs without compiles"
-        f" {'n/a' if free is None else f'{free:.2f}x'});"
+        f" {'n/a' if free is None else f'{free:.2f}x'}; less compile seconds"
+        f" {summary['step_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x);"
         f" final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
