@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 from spec_rl_jax import checkpoint, data, sharding, sft
 from spec_rl_jax import eval as evaluation
+from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.config import DrafterConfig, TrainConfig, dump_config, load_config, to_dict
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder
@@ -234,7 +235,8 @@ class Trainer:
     requests = [Request(p, request_id=(t * B + i) * G + g, group_id=t * B + i)
                 for i, p in enumerate(prompts) for g in range(G)]
     t0 = time.perf_counter()
-    result = self.engine.generate(requests)
+    with CompileCounter() as rollout_compiles:
+      result = self.engine.generate(requests)
     t1 = time.perf_counter()
     bar.set_description(f"step {t + 1} reward")
     texts = [self.tokenizer.decode(r.tokens) for r in result.responses]
@@ -248,9 +250,10 @@ class Trainer:
                           [r.tokens for r in result.responses],
                           [r.policy_logprobs for r in result.responses], adv.reshape(-1),
                           self.T, self.tokenizer.pad_id)
-    learn = self.learner.update(_pad_rows(batch, self.N))
-    self.engine.update_params(self.learner.model())
-    jax.block_until_ready(self.learner.state["params"])
+    with CompileCounter() as update_compiles:
+      learn = self.learner.update(_pad_rows(batch, self.N))
+      self.engine.update_params(self.learner.model())
+      jax.block_until_ready(self.learner.state["params"])
     t3 = time.perf_counter()
     self._check_finite(learn)
     self.step += 1
@@ -272,6 +275,9 @@ class Trainer:
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,
         "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
         "time/step_s": t3 - t0, "time/rollout_frac": (t1 - t0) / (t3 - t0),
+        # XLA compile seconds inside the phases (new shapes), included in their times
+        "time/rollout_compile_s": rollout_compiles.seconds,
+        "time/update_compile_s": update_compiles.seconds,
     }
 
   def _check_finite(self, learn: dict) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from flax import nnx
 
-from spec_rl_jax.bench.common import CompileCounter
+from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder

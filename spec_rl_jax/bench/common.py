@@ -5,8 +5,6 @@
 * `machine_info`, `measure_bandwidth`: what the numbers were measured on.
 * `write_results`, `print_table`, `save_plot`: the JSON contract, the printed table and
   the PNG next to the JSON.
-* `CompileCounter`: counts backend compiles (XLA executables built) while active,
-  and the seconds spent compiling.
 * `torch_setup`: the ``transformers`` peers' device (the accelerator JAX runs on, if
   torch sees it) and speed settings.
 """
@@ -74,40 +72,6 @@ def alternate(systems: dict[str, Callable[[], object]], reps: int, warmup: int =
       "ratio": {n: statistics.median(x / b for b, x in zip(rates[baseline], v))
                 for n, v in rates.items()},
   }
-
-
-class CompileCounter:
-  """Counts XLA backend compiles while the context is active (``count``), and the
-  seconds spent compiling (``seconds``: tracing to a jaxpr, lowering to MLIR and the
-  backend compile, so persistent-cache hits count their tracing and lowering too)."""
-
-  _EVENT = "/jax/core/compile/backend_compile_duration"
-  _TIMED = (_EVENT, "/jax/core/compile/jaxpr_trace_duration",
-            "/jax/core/compile/jaxpr_to_mlir_module_duration")
-  _active: list["CompileCounter"] = []
-  _registered = False
-
-  def __init__(self):
-    self.count = 0
-    self.seconds = 0.0
-
-  @classmethod
-  def _listener(cls, event: str, duration: float, *_args, **_kw) -> None:
-    for c in cls._active:
-      if event == cls._EVENT:
-        c.count += 1
-      if event in cls._TIMED:
-        c.seconds += duration
-
-  def __enter__(self):
-    if not CompileCounter._registered:
-      jax.monitoring.register_event_duration_secs_listener(CompileCounter._listener)
-      CompileCounter._registered = True
-    CompileCounter._active.append(self)
-    return self
-
-  def __exit__(self, *exc):
-    CompileCounter._active.remove(self)
 
 
 def torch_setup() -> str:

@@ -11,19 +11,20 @@ measured side by side in one process:
      update; each trainer's first step, which compiles, reported apart), the median
      over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
      end-to-end per response token, since the two runs draw different responses whose
-     lengths set a step's time; and over the step pairs where neither step compiled,
-     since later steps still compile new shapes: the steady state of a long run; and
-     over every warm pair with each step's compile seconds subtracted, which counts
-     every pair where the compile-free ones may be few), and the reward curves. SD is
-     lossless, so the curves must agree within seed noise: the summary gives the SD − AR difference of the
-     final reward (mean of each run's last third of steps, averaged over seeds) next to
-     the seed-to-seed standard deviation of that final reward.
+     lengths set a step's time), the same two ratios with each phase's XLA compile
+     seconds taken out (later steps still compile new shapes — micro-batch lengths,
+     decode buckets — which a long run amortises: its steady state), and the reward
+     curves. SD is lossless, so the curves must agree within seed noise: the summary
+     gives the SD − AR difference of the final reward (mean of each run's last third of
+     steps, averaged over seeds) next to the seed-to-seed standard deviation of that
+     final reward.
   2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
      batch: ``num_slots = N``) × response length ``L = max_new_tokens``, with EOS
      ignored so every response has exactly ``L`` tokens (as in vLLM's ``ignore_eos``
      throughput benchmarks; the default policy itself stops after about 20 tokens).
      Per cell, AR and SD steps interleaved after one compiling step each: the
-     end-to-end and rollout speedups and the rollout share of the AR step. Large
+     end-to-end and rollout speedups (compile seconds taken out: a throughput map) and
+     the rollout share of the AR step. Large
      batches make CPU decoding compute-bound (verifying K + 1 tokens costs about K + 1
      times one) and long responses make the rollout a larger share of the step: the
      sweep shows both.
@@ -31,8 +32,8 @@ measured side by side in one process:
 ``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
 minutes; ``--seeds/--steps/--batches/--lengths/--sweep-steps`` replace the plan's
 fields (e.g. a long-response recipe, ``--config configs/counting_long.yaml``, sweeps
-lengths in the thousands). JSON (``--out``), the printed tables and PNG plots next to the JSON
-(``rl_reward_curves.png``, ``rl_speedup.png``).
+lengths in the thousands). JSON (``--out``), the printed tables and PNG plots next to
+the JSON (``rl_reward_curves.png``, ``rl_speedup.png``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import numpy as np
 from tqdm import tqdm
 
 from spec_rl_jax.bench import common
+from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.config import TrainConfig, load_config
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.train import Trainer
@@ -106,18 +108,23 @@ def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]
   """``steps`` train steps of every trainer, alternating which goes first; each
   record also holds ``compiles``, the XLA compiles the step ran (a step whose rollout
   or update meets new shapes: the learner compiles its gradient once per micro-batch
-  length bucket, about 5 s each for the long-response policy on 2 CPU cores), and
-  ``compile_s``, the seconds they took (tracing and lowering included)."""
+  length bucket, about 5 s each for the long-response policy on 2 CPU cores); the
+  trainer logs the seconds they took per phase (``time/<phase>_compile_s``)."""
   bar = tqdm(disable=True)
   records = {name: [] for name in trainers}
   names = list(trainers)
   for t in range(steps):
     for name in (names if t % 2 == 0 else names[::-1]):
-      with common.CompileCounter() as compiles:
+      with CompileCounter() as compiles:
         record = trainers[name].train_step(bar)
-      records[name].append({**record, "compiles": compiles.count,
-                            "compile_s": compiles.seconds})
+      records[name].append({**record, "compiles": compiles.count})
   return records
+
+
+def net_s(record: dict, phase: str) -> float:
+  """A phase's time less the XLA compile seconds spent in it (``step``: in either)."""
+  parts = ("rollout", "update") if phase == "step" else (phase,)
+  return record[f"time/{phase}_s"] - sum(record[f"time/{p}_compile_s"] for p in parts)
 
 
 def split(records: list[dict]) -> dict:
@@ -129,13 +136,13 @@ def split(records: list[dict]) -> dict:
           "response_len": float(np.mean([r["rollout/response_len"] for r in warm])),
           "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm),
           "compiling_steps": sum(r["compiles"] > 0 for r in warm),
-          "compile_s": statistics.median(r["compile_s"] for r in warm)}
+          "compile_s": statistics.median(r["time/step_s"] - net_s(r, "step") for r in warm)}
 
 
 def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
-  """Median over warm steps of ``AR time / SD time`` (> 1: SD faster)."""
-  return statistics.median(a[f"time/{phase}_s"] / b[f"time/{phase}_s"]
-                           for a, b in zip(ar[1:], sd[1:]))
+  """Median over warm steps of ``AR time / SD time`` less compile seconds (> 1: SD
+  faster)."""
+  return statistics.median(net_s(a, phase) / net_s(b, phase) for a, b in zip(ar[1:], sd[1:]))
 
 
 def _close(trainers: dict[str, Trainer]) -> None:
@@ -147,8 +154,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves)."""
   K = base.drafter.num_draft_tokens
   rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
-  compile_free = []  # AR / SD step time over the warm step pairs where neither compiled
-  excl_compile = []  # AR / SD step time less each step's compile seconds, per step pair
+  excl_compile = {"step": [], "rollout": []}  # the same, each phase's compile seconds out
   per_token = []  # AR / SD step time per response token, per step pair
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
@@ -167,12 +173,9 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
     warm_pairs = list(zip(records["AR"][1:], records["SD"][1:]))
     for phase in ratios:
       ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"] for a, b in warm_pairs]
+      excl_compile[phase] += [net_s(a, phase) / net_s(b, phase) for a, b in warm_pairs]
     per_token += [(a["time/step_s"] / a["rollout/response_len"])
                   / (b["time/step_s"] / b["rollout/response_len"]) for a, b in warm_pairs]
-    compile_free += [a["time/step_s"] / b["time/step_s"] for a, b in warm_pairs
-                     if not a["compiles"] and not b["compiles"]]
-    excl_compile += [(a["time/step_s"] - a["compile_s"]) / (b["time/step_s"] - b["compile_s"])
-                     for a, b in warm_pairs]
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
   seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
@@ -186,14 +189,11 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       # response token the two compare the same work.
       "step_speedup_per_token_sd_vs_ar_recipe": statistics.median(per_token),
       # Warm steps can still compile (new micro-batch lengths, new decode shapes); a
-      # long run amortises that, so the pairs where neither step compiled are the
-      # steady state (null when there are none).
-      "step_speedup_sd_vs_ar_recipe_compile_free": (
-          statistics.median(compile_free) if compile_free else None),
-      "compile_free_step_pairs": len(compile_free),
-      # Every warm pair with each step's compile seconds taken out (compile time is
+      # long run amortises that: each phase's compile seconds taken out (compile time is
       # reported apart, never mixed into throughput: ../shared/BENCHMARKS.md).
-      "step_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(excl_compile),
+      "step_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(excl_compile["step"]),
+      "rollout_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(
+          excl_compile["rollout"]),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
@@ -324,17 +324,17 @@ def main(argv=None) -> dict:
   summary["num_draft_tokens"] = base.drafter.num_draft_tokens
   print("\nsweep (EOS ignored: every response has L tokens)")
   common.print_table(sweep_rows, ["case", "system", "rollout_s", "reward_s", "update_s",
-                                  "step_s", "compiling_steps", "acceptance_length",
-                                  "step_speedup", "rollout_speedup", "ar_rollout_share"])
+                                  "step_s", "compiling_steps", "compile_s",
+                                  "acceptance_length", "step_speedup", "rollout_speedup",
+                                  "ar_rollout_share"])
   summary["recipe"] = args.config or "default"
-  std, free = summary["final_reward_seed_std"], summary["step_speedup_sd_vs_ar_recipe_compile_free"]
+  std = summary["final_reward_seed_std"]
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
-        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; over"
-        f" {summary['compile_free_step_pairs']} step pairs without compiles"
-        f" {'n/a' if free is None else f'{free:.2f}x'}; less compile seconds"
-        f" {summary['step_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x);"
+        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; less compile seconds"
+        f" {summary['step_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x, rollout"
+        f" {summary['rollout_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x);"
         f" final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")

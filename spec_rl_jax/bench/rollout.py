@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from spec_rl_jax.bench import common
+from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.config import ModelConfig
 from spec_rl_jax.models.transformer import init_decoder, param_count
@@ -82,12 +83,12 @@ def main(argv=None) -> dict:
     ours = lambda: engine.generate([Request(p.tolist(), next(next_id)) for p in prompts]).responses
     theirs = lambda: _hf_generate(hf, prompts, new_tokens, device)
 
-    with common.CompileCounter() as warm_compiles:
+    with CompileCounter() as warm_compiles:
       t0 = time.perf_counter()
       first = ours()
       compile_s = time.perf_counter() - t0
     assert all(len(r.tokens) == new_tokens for r in first)
-    with common.CompileCounter() as compiles:
+    with CompileCounter() as compiles:
       res = common.alternate({"transformers": theirs, "ours": ours}, reps=reps, warmup=1)
     tokens = B * new_tokens
     for name in ("transformers", "ours"):

@@ -43,6 +43,7 @@ import os
 import numpy as np
 
 from spec_rl_jax.bench import common
+from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.tasks.counting import Counting
 
 
@@ -126,7 +127,7 @@ def decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps):
   add(f"draft_model_k{K0}", K0, make_proposer("draft_model", model=draft))
   for fn in systems.values():  # warm-up: compiles (timed runs must not compile)
     fn()
-  with common.CompileCounter() as compiles:
+  with CompileCounter() as compiles:
     res = common.alternate(systems, reps=reps, warmup=0, baseline="ar")
 
   rows, curves = [], {}
@@ -244,7 +245,7 @@ def scheduler_part(policy, tok, quick, ps, base, kv_budget):
   for fn in runners.values():  # warm-up
     fn()
   runs.clear()
-  with common.CompileCounter() as compiles:
+  with CompileCounter() as compiles:
     # 5 repetitions: single runs of the two policies differ by 3-5% on a shared machine
     res = common.alternate(runners, reps=1 if quick else 5, warmup=0, baseline="naive")
   # kv_aware's length estimate takes in every earlier call's responses, so its schedule
