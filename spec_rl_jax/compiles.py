@@ -1,4 +1,5 @@
-"""`CompileCounter`: the XLA compiles a block of code runs, and the seconds they take.
+"""Compiles: what a block of code compiles (`CompileCounter`), and keeping compiled
+programs across runs (`use_persistent_cache`).
 
 The trainer logs each phase's compile seconds (``time/rollout_compile_s``,
 ``time/update_compile_s``): a step that meets new shapes (a new micro-batch length for
@@ -9,7 +10,27 @@ warm calls compile nothing.
 
 from __future__ import annotations
 
+import os
+
 import jax
+
+from spec_rl_jax.checkpoint import cache_dir
+
+
+def use_persistent_cache() -> str | None:
+  """Keeps compiled XLA programs on disk, so a rerun or a ``--resume`` loads most of
+  them instead of compiling (CPU default, 2 steps: 44 s -> 22 s, step 1's compile
+  seconds 30 -> 6). The directory is ``$SPEC_RL_JAX_XLA_CACHE``, else ``<model
+  cache>/xla``; an empty ``$SPEC_RL_JAX_XLA_CACHE`` turns it off; a
+  ``jax_compilation_cache_dir`` already set (``$JAX_COMPILATION_CACHE_DIR``) wins. Call
+  before anything compiles. Returns the directory in use (``None``: off).
+  """
+  if jax.config.jax_compilation_cache_dir:
+    return jax.config.jax_compilation_cache_dir
+  directory = os.environ.get("SPEC_RL_JAX_XLA_CACHE", os.path.join(cache_dir(), "xla"))
+  if directory:
+    jax.config.update("jax_compilation_cache_dir", directory)
+  return directory or None
 
 
 class CompileCounter:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from spec_rl_jax import checkpoint, data
 from spec_rl_jax import eval as evaluation
+from spec_rl_jax.compiles import use_persistent_cache
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import get_preset
@@ -303,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   if "model_overrides" in overrides:  # key=value, values as JSON
     pairs = [kv.partition("=") for kv in overrides["model_overrides"]]
     overrides["model_overrides"] = tuple((k, json.loads(v)) for k, _, v in pairs)
+  use_persistent_cache()
   targets = list(DEFAULT_TARGETS) if args.target == "all" else [args.target]
   report = produce(targets, overrides, progress=not args.no_progress, eval_n=args.eval_n)
   print(format_report(report))

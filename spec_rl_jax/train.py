@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from spec_rl_jax import checkpoint, data, sharding, sft
 from spec_rl_jax import eval as evaluation
-from spec_rl_jax.compiles import CompileCounter
+from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
 from spec_rl_jax.config import DrafterConfig, TrainConfig, dump_config, load_config, to_dict
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder
@@ -355,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   parser.add_argument("overrides", nargs="*", help="section.field=value")
   args = parser.parse_args(argv)
   cfg = load_config(args.config, args.overrides)
+  use_persistent_cache()
   if cfg.policy.distributed:
     jax.distributed.initialize()
   if not cfg.run_dir:

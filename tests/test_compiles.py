@@ -1,0 +1,40 @@
+"""Where compiled programs persist (`use_persistent_cache`), and compile counting."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
+
+
+@pytest.fixture
+def no_cache_dir():
+  before = jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", None)
+  yield
+  jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_persistent_cache_directory(no_cache_dir, monkeypatch, tmp_path):
+  monkeypatch.setenv("SPEC_RL_JAX_XLA_CACHE", "")  # off
+  assert use_persistent_cache() is None and jax.config.jax_compilation_cache_dir is None
+  monkeypatch.delenv("SPEC_RL_JAX_XLA_CACHE")  # default: next to the models
+  monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path / "models"))
+  want = os.path.join(tmp_path, "models", "xla")
+  assert use_persistent_cache() == want == jax.config.jax_compilation_cache_dir
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))  # the user's wins
+  monkeypatch.setenv("SPEC_RL_JAX_XLA_CACHE", str(tmp_path / "other"))
+  assert use_persistent_cache() == str(tmp_path / "mine")
+
+
+def test_compile_counter_counts_compiles_and_their_seconds():
+  f = jax.jit(lambda x: jnp.tanh(x) @ x.T)
+  x = jnp.ones((32, 32))
+  with CompileCounter() as first:
+    f(x).block_until_ready()
+  with CompileCounter() as again:
+    f(x).block_until_ready()
+  assert first.count == 1 and first.seconds > 0
+  assert again.count == 0 and again.seconds == 0
