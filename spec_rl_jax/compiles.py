@@ -19,8 +19,8 @@ from spec_rl_jax.checkpoint import cache_dir
 
 def use_persistent_cache() -> str | None:
   """Keeps compiled XLA programs on disk, so a rerun or a ``--resume`` loads most of
-  them instead of compiling (CPU default, 2 steps: 44 s -> 22 s, step 1's compile
-  seconds 30 -> 6). The directory is ``$SPEC_RL_JAX_XLA_CACHE``, else ``<model
+  them instead of compiling (CPU default, 2 steps: 48 s -> 23 s, step 1's compile
+  seconds 31 -> 7). The directory is ``$SPEC_RL_JAX_XLA_CACHE``, else ``<model
   cache>/xla``; an empty ``$SPEC_RL_JAX_XLA_CACHE`` turns it off; a
   ``jax_compilation_cache_dir`` already set (``$JAX_COMPILATION_CACHE_DIR``) wins. Call
   before anything compiles. Returns the directory in use (``None``: off).

@@ -24,10 +24,9 @@ measured side by side in one process:
      throughput benchmarks; the default policy itself stops after about 20 tokens).
      Per cell, AR and SD steps interleaved after one compiling step each: the
      end-to-end and rollout speedups (compile seconds taken out: a throughput map) and
-     the rollout share of the AR step. Large
-     batches make CPU decoding compute-bound (verifying K + 1 tokens costs about K + 1
-     times one) and long responses make the rollout a larger share of the step: the
-     sweep shows both.
+     the rollout share of the AR step. Large batches make CPU decoding compute-bound
+     (verifying K + 1 tokens costs about K + 1 times one) and long responses make the
+     rollout a larger share of the step: the sweep shows both.
 
 ``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
 minutes; ``--seeds/--steps/--batches/--lengths/--sweep-steps`` replace the plan's
@@ -136,7 +135,8 @@ def split(records: list[dict]) -> dict:
           "response_len": float(np.mean([r["rollout/response_len"] for r in warm])),
           "tokens_per_s": statistics.median(r["rollout/tokens_per_s"] for r in warm),
           "compiling_steps": sum(r["compiles"] > 0 for r in warm),
-          "compile_s": statistics.median(r["time/step_s"] - net_s(r, "step") for r in warm)}
+          "compile_s": statistics.median(r["time/rollout_compile_s"] + r["time/update_compile_s"]
+                                         for r in warm)}
 
 
 def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
