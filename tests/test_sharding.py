@@ -48,16 +48,16 @@ def test_mesh_logits_match_single_device(shape, reference):
 GOLDEN_2_2_2 = {
     "embed": P("tensor", "fsdp"),
     "final_norm.scale": P(None),
-    "lm_head": P("fsdp", "tensor"),
-    "layers.attn.q": P(None, "fsdp", "tensor", None),
-    "layers.attn.k": P(None, "fsdp", "tensor", None),
-    "layers.attn.v": P(None, "fsdp", "tensor", None),
-    "layers.attn.o": P(None, "tensor", None, "fsdp"),
+    "lm_head": P("tensor", "fsdp"),
+    "layers.attn.q": P(None, "tensor", None, "fsdp"),
+    "layers.attn.k": P(None, "tensor", None, "fsdp"),
+    "layers.attn.v": P(None, "tensor", None, "fsdp"),
+    "layers.attn.o": P(None, "fsdp", "tensor", None),
     "layers.attn_norm.scale": P(None, None),
     "layers.mlp_norm.scale": P(None, None),
-    "layers.mlp.gate": P(None, "fsdp", "tensor"),
-    "layers.mlp.up": P(None, "fsdp", "tensor"),
-    "layers.mlp.down": P(None, "tensor", "fsdp"),
+    "layers.mlp.gate": P(None, "tensor", "fsdp"),
+    "layers.mlp.up": P(None, "tensor", "fsdp"),
+    "layers.mlp.down": P(None, "fsdp", "tensor"),
 }
 
 
@@ -79,7 +79,7 @@ def test_sharded_hf_import(tmp_path, reference):
   hf_io.save_hf_checkpoint(init_decoder(CFG, seed=7), str(tmp_path))
   mesh = sharding.make_mesh((1, 2, 4))
   model, _ = hf_io.load_hf_checkpoint(str(tmp_path), mesh=mesh)
-  expected = sharding.logical_to_spec(("layers", "mlp", "embed"), (2, 128, 64),
+  expected = sharding.logical_to_spec(("layers", "embed", "mlp"), (2, 64, 128),
                                       dict(zip(mesh.axis_names, mesh.axis_sizes)))
-  assert model.layers.mlp.down[...].sharding.spec == expected == P(None, "tensor", "fsdp")
+  assert model.layers.mlp.down[...].sharding.spec == expected == P(None, "fsdp", "tensor")
   np.testing.assert_allclose(_logits(model, mesh), reference, atol=1e-5)

@@ -8,15 +8,16 @@ straight into sharded arrays: each device's shard is assembled by a
 
 Export writes the same layout, loadable by ``transformers`` unchanged.
 
-Layout mapping (HF stores ``nn.Linear`` weights as ``[out, in]``):
+Layout mapping: HF stores ``nn.Linear`` weights as ``[out, in]``, and so do we (the
+head dims split out of ``out`` or ``in``), so conversion is a reshape:
 
-| ours                       | HF                                   | convert            |
-|----------------------------|--------------------------------------|--------------------|
-| ``embed [V, D]``           | ``model.embed_tokens.weight [V, D]`` | —                  |
-| ``layers.attn.q [L,D,H,Dh]``| ``...self_attn.q_proj.weight [H·Dh, D]`` | ``w.T → [D,H,Dh]`` |
-| ``layers.attn.o [L,H,Dh,D]``| ``...self_attn.o_proj.weight [D, H·Dh]`` | ``w.T → [H,Dh,D]`` |
-| ``layers.mlp.gate [L,D,F]``| ``...mlp.gate_proj.weight [F, D]``   | ``w.T``            |
-| ``lm_head [D, V]``         | ``lm_head.weight [V, D]``            | ``w.T``            |
+| ours                          | HF                                        |
+|-------------------------------|-------------------------------------------|
+| ``embed [V, D]``              | ``model.embed_tokens.weight [V, D]``      |
+| ``layers.attn.q [L,H,Dh,D]``  | ``...self_attn.q_proj.weight [H·Dh, D]``  |
+| ``layers.attn.o [L,D,H,Dh]``  | ``...self_attn.o_proj.weight [D, H·Dh]``  |
+| ``layers.mlp.gate [L,F,D]``   | ``...mlp.gate_proj.weight [F, D]``        |
+| ``lm_head [V, D]``            | ``lm_head.weight [V, D]``                 |
 """
 
 from __future__ import annotations
@@ -152,21 +153,16 @@ def _same(name: str) -> _Tensor:
   return _Tensor(name, lambda w: w, lambda w: w)
 
 
-def _transposed(name: str) -> _Tensor:
-  """``nn.Linear`` ``[out, in]`` (HF) ↔ ``[in, out]`` (ours)."""
-  return _Tensor(name, lambda w: w.T, lambda w: w.T)
+def _out_heads(name: str, n: int) -> _Tensor:
+  """``[n·Dh, D]`` (HF) ↔ ``[n, Dh, D]`` (ours): q, k, v projections."""
+  return _Tensor(name, lambda w: w.reshape(n, -1, w.shape[1]),
+                 lambda w: w.reshape(-1, w.shape[-1]))
 
 
 def _in_heads(name: str, n: int) -> _Tensor:
-  """``[n·Dh, D]`` (HF) ↔ ``[D, n, Dh]`` (ours): q, k, v projections."""
-  return _Tensor(name, lambda w: w.T.reshape(w.shape[1], n, -1),
-                 lambda w: w.reshape(w.shape[0], -1).T)
-
-
-def _out_heads(name: str, n: int) -> _Tensor:
-  """``[D, n·Dh]`` (HF) ↔ ``[n, Dh, D]`` (ours): the output projection."""
-  return _Tensor(name, lambda w: w.T.reshape(n, -1, w.shape[0]),
-                 lambda w: w.reshape(-1, w.shape[-1]).T)
+  """``[D, n·Dh]`` (HF) ↔ ``[D, n, Dh]`` (ours): the output projection."""
+  return _Tensor(name, lambda w: w.reshape(w.shape[0], n, -1),
+                 lambda w: w.reshape(w.shape[0], -1))
 
 
 def _mapping(cfg: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
@@ -177,19 +173,19 @@ def _mapping(cfg: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
       ("final_norm", "scale"): _same("model.norm.weight"),
       ("layers", "attn_norm", "scale"): _same(pre + "input_layernorm.weight"),
       ("layers", "mlp_norm", "scale"): _same(pre + "post_attention_layernorm.weight"),
-      ("layers", "attn", "q"): _in_heads(pre + "self_attn.q_proj.weight", cfg.num_heads),
-      ("layers", "attn", "k"): _in_heads(pre + "self_attn.k_proj.weight", cfg.num_kv_heads),
-      ("layers", "attn", "v"): _in_heads(pre + "self_attn.v_proj.weight", cfg.num_kv_heads),
-      ("layers", "attn", "o"): _out_heads(pre + "self_attn.o_proj.weight", cfg.num_heads),
-      ("layers", "mlp", "gate"): _transposed(pre + "mlp.gate_proj.weight"),
-      ("layers", "mlp", "up"): _transposed(pre + "mlp.up_proj.weight"),
-      ("layers", "mlp", "down"): _transposed(pre + "mlp.down_proj.weight"),
+      ("layers", "attn", "q"): _out_heads(pre + "self_attn.q_proj.weight", cfg.num_heads),
+      ("layers", "attn", "k"): _out_heads(pre + "self_attn.k_proj.weight", cfg.num_kv_heads),
+      ("layers", "attn", "v"): _out_heads(pre + "self_attn.v_proj.weight", cfg.num_kv_heads),
+      ("layers", "attn", "o"): _in_heads(pre + "self_attn.o_proj.weight", cfg.num_heads),
+      ("layers", "mlp", "gate"): _same(pre + "mlp.gate_proj.weight"),
+      ("layers", "mlp", "up"): _same(pre + "mlp.up_proj.weight"),
+      ("layers", "mlp", "down"): _same(pre + "mlp.down_proj.weight"),
   }
   if cfg.qk_norm:
     m[("layers", "attn", "q_norm", "scale")] = _same(pre + "self_attn.q_norm.weight")
     m[("layers", "attn", "k_norm", "scale")] = _same(pre + "self_attn.k_norm.weight")
   if not cfg.tie_embeddings:
-    m[("lm_head",)] = _transposed("lm_head.weight")
+    m[("lm_head",)] = _same("lm_head.weight")
   return m
 
 

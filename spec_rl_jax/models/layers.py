@@ -4,9 +4,13 @@ Shape legend: ``B`` batch, ``T`` new tokens, ``D`` embed dim, ``H`` query heads,
 ``K`` KV heads, ``G = H // K`` query heads per KV head, ``Dh`` head dim, ``F`` MLP dim.
 
 Every parameter is created with a ``stack`` prefix shape (``(L,)`` for the scanned
-layer stack) and logical ``axes`` metadata read by `spec_rl_jax.sharding`. Weights are
-stored as einsum operands (``q: [D, H, Dh]``, ``o: [H, Dh, D]``) so no reshape sits
-between the matmul and the head split.
+layer stack) and logical ``axes`` metadata read by `spec_rl_jax.sharding`. Projection
+weights are stored output-major, as ``nn.Linear`` stores them (``q: [H, Dh, D]``,
+``o: [D, H, Dh]``, ``gate: [F, D]``), and every projection runs as one 2-D matmul that
+contracts both operands' last dim (the head dims merged by a free reshape). XLA:CPU's
+matmul library reads that layout fastest: at ``B = 32`` a decode forward of the
+110M-parameter bench model took 47.8 ms against 62.1 ms input-major (Xeon, 2 cores);
+a 3-D weight contracted on another dim gets a transposing copy per call instead.
 """
 
 from __future__ import annotations
@@ -76,15 +80,26 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return out.astype(x.dtype)
 
 
+def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x[..., I] · w[O, I]ᵀ → [..., O]``."""
+  return jnp.einsum("...i,oi->...o", x, w)
+
+
+def _proj_heads(x: jax.Array, w: jax.Array) -> jax.Array:
+  """``x[B,T,D] · w[N,Dh,D] → [B,T,N,Dh]``, one matmul over ``w`` as ``[N·Dh, D]``."""
+  N, Dh, D = w.shape
+  return _linear(x, w.reshape(N * Dh, D)).reshape(*x.shape[:-1], N, Dh)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention; the KV history and the softmax live behind ``cache``."""
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
     D, H, K, Dh, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-    self.q = _param(rngs, stack, (D, H, Dh), ("embed", "heads", "head_dim"), dt)
-    self.k = _param(rngs, stack, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
-    self.v = _param(rngs, stack, (D, K, Dh), ("embed", "kv_heads", "head_dim"), dt)
-    self.o = _param(rngs, stack, (H, Dh, D), ("heads", "head_dim", "embed"), dt)
+    self.q = _param(rngs, stack, (H, Dh, D), ("heads", "head_dim", "embed"), dt)
+    self.k = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt)
+    self.v = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt)
+    self.o = _param(rngs, stack, (D, H, Dh), ("embed", "heads", "head_dim"), dt)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
       self.k_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
@@ -97,16 +112,18 @@ class Attention(nnx.Module):
     ``attend(q, k, v) -> (out, new_cache_layers)`` closes over the attention context
     (models/attention.py): it writes this layer's ``k, v`` and attends.
     """
-    q = jnp.einsum("btd,dhk->bthk", x, self.q[...])
-    k = jnp.einsum("btd,dhk->bthk", x, self.k[...])
-    v = jnp.einsum("btd,dhk->bthk", x, self.v[...])
+    q = _proj_heads(x, self.q[...])
+    k = _proj_heads(x, self.k[...])
+    v = _proj_heads(x, self.v[...])
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q = shard(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
     k = shard(apply_rope(k, positions, inv_freq), ("batch", "seq", "act_kv_heads", None))
     v = shard(v, ("batch", "seq", "act_kv_heads", None))
     out, cache_layers = attend(q, k, v)  # out: [B, T, H, Dh]
-    return jnp.einsum("bthk,hkd->btd", out.astype(x.dtype), self.o[...]), cache_layers
+    B, T, H, Dh = out.shape
+    out = out.astype(x.dtype).reshape(B, T, H * Dh)
+    return _linear(out, self.o[...].reshape(-1, H * Dh)), cache_layers  # o as [D, H·Dh]
 
 
 class MLP(nnx.Module):
@@ -114,14 +131,14 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
     D, F, dt = cfg.embed_dim, cfg.mlp_dim, cfg.dtype
-    self.gate = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
-    self.up = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
-    self.down = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
+    self.gate = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
+    self.up = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
+    self.down = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
 
   def __call__(self, x):
-    h = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+    h = jax.nn.silu(_linear(x, self.gate[...])) * _linear(x, self.up[...])
     h = shard(h, ("batch", "seq", "act_mlp"))
-    return h @ self.down[...]
+    return _linear(h, self.down[...])
 
 
 class Block(nnx.Module):

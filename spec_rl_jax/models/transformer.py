@@ -42,7 +42,7 @@ class Decoder(nnx.Module):
     self.layers = Block(cfg, rngs=rngs, stack=(cfg.num_layers,))
     self.final_norm = RMSNorm(cfg.embed_dim, cfg.norm_eps, dtype=dt)
     self.lm_head = (None if cfg.tie_embeddings else
-                    _param(rngs, (), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), dt))
+                    _param(rngs, (), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), dt))
 
   def __call__(self, tokens: jax.Array, positions: jax.Array, *,
                cache: Any = None, hidden_layers: Sequence[int] = (),
@@ -105,10 +105,8 @@ class Decoder(nnx.Module):
 
   def logits(self, x: jax.Array) -> jax.Array:
     """LM head on final-normed ``x[..., D]`` → fp32 ``[..., V]``."""
-    if self.lm_head is None:  # tied: read the [V, D] table as is, no transpose copy
-      out = jnp.einsum("...d,vd->...v", x, self.embed[...], preferred_element_type=jnp.float32)
-    else:
-      out = jnp.einsum("...d,dv->...v", x, self.lm_head[...], preferred_element_type=jnp.float32)
+    table = self.embed if self.lm_head is None else self.lm_head  # [V, D] either way
+    out = jnp.einsum("...d,vd->...v", x, table[...], preferred_element_type=jnp.float32)
     return sharding.shard(out, ("batch", "seq", "act_vocab")) if out.ndim == 3 else out
 
 
