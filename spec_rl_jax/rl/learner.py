@@ -200,7 +200,7 @@ class Learner:
                        f" split into learner.num_minibatches={k} mini-batches of"
                        f" micro-batches of learner.micro_batch_size={m}")
 
-  def _minibatches(self, batch: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
+  def minibatches(self, batch: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
     """Splits ``N`` responses into mini-batches of `micro_batches`."""
     N = batch["adv"].shape[0]
     self.check_batch_size(N)
@@ -219,6 +219,15 @@ class Learner:
     return {k: jax.device_put(v, NamedSharding(self.mesh, sharding.logical_to_spec(
         (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in micros.items()}
 
+  def gradients(self, groups: list[dict[str, np.ndarray]]) -> tuple[Any, dict[str, jax.Array]]:
+    """``(Σ ∇ Σ w ℓ, {_STATS})`` of one mini-batch's micro-batch groups, accumulated on
+    device at the current parameters."""
+    with jax.set_mesh(self.mesh):
+      acc = self._zeros(self.state["params"])
+      for group in groups:
+        acc = self._accumulate(acc, self.state["params"], self.ref_params, self._place(group))
+    return acc
+
   def update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
     """One step on a packed global batch (`pack_rollouts`); returns its metrics.
 
@@ -228,13 +237,10 @@ class Learner:
     micro-batches' forward and backward passes compute (`micro_batches` trims padding).
     """
     metrics, computed = [], 0
-    for groups in self._minibatches(batch):
+    for groups in self.minibatches(batch):
+      acc = self.gradients(groups)
+      computed += sum(group["tokens"].size for group in groups)
       with jax.set_mesh(self.mesh):
-        acc = self._zeros(self.state["params"])
-        for group in groups:
-          acc = self._accumulate(acc, self.state["params"], self.ref_params,
-                                 self._place(group))
-          computed += group["tokens"].size
         self.state, m = self._apply(self.state, *acc)
       metrics.append(jax.device_get(m))
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
