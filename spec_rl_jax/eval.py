@@ -6,7 +6,9 @@ each data source (default: the built-in tasks at their default difficulty).
 ``--draft PATH`` also measures how well a draft model predicts the policy: on the
 policy's own sampled responses, the per-token speculative acceptance probability
 ``α = E[Σ_v min(p_v, q_v)]`` at temperature 1 and the greedy agreement
-``E[argmax p == argmax q]``.
+``E[argmax p == argmax q]``. ``--reference`` instead scores how exactly the model
+reproduces the reference answers, by teacher forcing (`reference_exactness`): seconds
+where generating long responses takes many minutes.
 
 Generation goes through `rollout`: the rollout engine, as in RL.
 """
@@ -126,6 +128,58 @@ def draft_acceptance(draft: Decoder, policy: Decoder, tokenizer: Tokenizer,
   return {"acceptance_prob": float(alpha.mean()), "greedy_agreement": float(agree.mean())}
 
 
+def reference_exactness(model: Decoder, prompts: Sequence[Sequence[int]],
+                        references: Sequence[Sequence[int]],
+                        batch_size: int = 8) -> dict[str, float]:
+  """How exactly ``model`` reproduces ``references`` (response ids, EOS included),
+  teacher-forced: one forward per example.
+
+  * ``greedy_exact``: the fraction whose greedy decoding reproduces the reference,
+    i.e. the argmax is the reference token at every response position given the
+    reference prefix (a lower bound on greedy pass@1 where other answers also verify);
+  * ``sampled_prob``: the mean probability ``exp(Σ_t log p(y_t | y_<t))`` that a
+    temperature-1 sample is the reference;
+  * ``token_error``: the fraction of response positions whose argmax is wrong;
+  * ``first_error_frac``: where the first wrong argmax falls, as a fraction of the
+    response length (mean over the examples that have one; NaN if none does).
+  """
+  graphdef, state = nnx.split(model)
+  exact, probs, wrong, first = [], [], 0, []
+  for i in range(0, len(prompts), batch_size):
+    seqs = [list(p) + list(r) for p, r in zip(prompts[i:i + batch_size],
+                                                references[i:i + batch_size])]
+    T = -(-max(map(len, seqs)) // 64) * 64
+    tokens = np.zeros((len(seqs), T), np.int32)
+    valid = np.zeros((len(seqs), T), bool)
+    for b, s in enumerate(seqs):
+      tokens[b, :len(s)], valid[b, :len(s)] = s, True
+    logp = np.asarray(jax.nn.log_softmax(_logits(graphdef, state, tokens, valid)))  # [B,T,V]
+    for b, s in enumerate(seqs):
+      n = len(prompts[i + b])
+      rows = logp[b, n - 1:len(s) - 1]  # [R, V]: predicts response token t from row t
+      target = np.asarray(s[n:])
+      miss = np.nonzero(rows.argmax(-1) != target)[0]
+      exact.append(len(miss) == 0)
+      probs.append(math.exp(float(rows[np.arange(len(target)), target].sum())))
+      wrong += len(miss)
+      if len(miss):
+        first.append(miss[0] / len(target))
+  return {"n": len(exact), "greedy_exact": float(np.mean(exact)),
+          "sampled_prob": float(np.mean(probs)),
+          "token_error": wrong / sum(map(len, references)),
+          "first_error_frac": float(np.mean(first)) if first else float("nan")}
+
+
+def source_reference_exactness(model: Decoder, tokenizer: Tokenizer, source: data.Source,
+                               n: int, seed: int = 0) -> dict[str, float]:
+  """`reference_exactness` on ``n`` held-out records of ``source`` (the reference: the
+  record's answer, as SFT trains on it)."""
+  encoder = data.SFTEncoder(tokenizer)
+  examples = [encoder(r) for r in source.held_out(n, seed)]
+  return reference_exactness(model, [e["ids"][:e["prompt_len"]].tolist() for e in examples],
+                             [e["ids"][e["prompt_len"]:].tolist() for e in examples])
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--model", default=os.path.join(checkpoint.cache_dir(), "policy"),
@@ -137,14 +191,22 @@ def main(argv: Sequence[str] | None = None) -> None:
   parser.add_argument("--temperature", type=float, default=1.0)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--draft", default=None, help="also measure this draft model")
+  parser.add_argument("--reference", action="store_true",
+                      help="score reproducing the reference answers, teacher-forced, instead of"
+                      " generating (tasks with one answer, e.g. counting)")
   parser.add_argument("--out", default=None, help="write the results as JSON here")
   args = parser.parse_args(argv)
   model, tokenizer = checkpoint.load_model(args.model)
   if tokenizer is None:
     raise ValueError(f"{args.model} has no tokenizer")
   sources = [data.Source.parse(s) for s in args.data]
-  results = {"model": args.model, "accuracy": evaluate(
-      model, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
+  if args.reference:
+    results = {"model": args.model, "reference": {
+        os.path.basename(s.name): source_reference_exactness(model, tokenizer, s, args.n,
+                                                             args.seed) for s in sources}}
+  else:
+    results = {"model": args.model, "accuracy": evaluate(
+        model, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
   if args.draft:
     draft, _ = checkpoint.load_model(args.draft)
     results["draft"] = {os.path.basename(s.name): draft_acceptance(

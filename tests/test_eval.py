@@ -82,3 +82,42 @@ def test_cli_on_a_hf_checkpoint(tok, tmp_path, capsys):
   assert set(acc) == {"n", "pass@1_greedy", "pass@1_sampled", "pass@2"} and acc["n"] == 3
   assert all(0 <= v <= 1 for k, v in acc.items() if k != "n")
   assert not math.isnan(result["draft"]["arithmetic"]["acceptance_prob"])
+
+
+def test_reference_exactness_against_generation(tok):
+  """Greedy responses are their own exact reference, with the engine's logprobs; a
+  changed token is caught at its position."""
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.rollout.types import EngineConfig, Request
+  from spec_rl_jax.sampling import SamplingParams
+  model = init_decoder(TINY, seed=0)
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(5, 500, int(n)).tolist() for n in (3, 9, 5, 12)]
+  engine = RolloutEngine(model, EngineConfig(
+      num_slots=2, page_size=16, num_pages=8, max_seq_len=64, max_new_tokens=20,
+      sampling=SamplingParams(temperature=0.0)))
+  responses = engine.generate([Request(p, i) for i, p in enumerate(prompts)]).responses
+  refs = [r.tokens for r in responses]
+  out = evaluation.reference_exactness(model, prompts, refs, batch_size=3)
+  assert out["greedy_exact"] == 1.0 and out["token_error"] == 0.0
+  want = np.mean([math.exp(r.policy_logprobs.sum()) for r in responses])
+  assert out["sampled_prob"] == pytest.approx(want, rel=1e-4)
+  assert math.isnan(out["first_error_frac"])
+  bad = [list(r) for r in refs]
+  bad[1][10] = (bad[1][10] + 1) % TINY.vocab_size  # the argmax there is now wrong
+  out = evaluation.reference_exactness(model, prompts, bad, batch_size=3)
+  assert out["greedy_exact"] == 0.75
+  assert out["first_error_frac"] == pytest.approx(10 / len(bad[1]))
+  assert out["token_error"] >= 1 / sum(map(len, bad))
+  assert out["sampled_prob"] < want
+
+
+def test_cli_reference_mode(tok, tmp_path, capsys):
+  model_dir = str(tmp_path / "model")
+  hf_io.save_hf_checkpoint(init_decoder(TINY, seed=0), model_dir, tok)
+  evaluation.main(["--model", model_dir, "--data", "task:counting?min_span=2,max_span=4",
+                   "--n", "3", "--reference"])
+  result = json.loads(capsys.readouterr().out)
+  assert "accuracy" not in result
+  ref = result["reference"]["counting"]
+  assert ref["n"] == 3 and 0 <= ref["greedy_exact"] <= 1 and 0 < ref["token_error"] <= 1
