@@ -128,6 +128,15 @@ def draft_acceptance(draft: Decoder, policy: Decoder, tokenizer: Tokenizer,
   return {"acceptance_prob": float(alpha.mean()), "greedy_agreement": float(agree.mean())}
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _next_token_stats(graphdef, state, tokens, valid):
+  """``(argmax [B, T], log p(tokens[:, t + 1]) [B, T])`` of each position's next-token
+  distribution (the last column's log p scores a wrapped-around token: unused)."""
+  logp = jax.nn.log_softmax(_logits(graphdef, state, tokens, valid))  # [B, T, V]
+  following = jnp.roll(tokens, -1, axis=1)
+  return logp.argmax(-1), jnp.take_along_axis(logp, following[..., None], -1)[..., 0]
+
+
 def reference_exactness(model: Decoder, prompts: Sequence[Sequence[int]],
                         references: Sequence[Sequence[int]],
                         batch_size: int = 8) -> dict[str, float]:
@@ -153,17 +162,16 @@ def reference_exactness(model: Decoder, prompts: Sequence[Sequence[int]],
     valid = np.zeros((len(seqs), T), bool)
     for b, s in enumerate(seqs):
       tokens[b, :len(s)], valid[b, :len(s)] = s, True
-    logp = np.asarray(jax.nn.log_softmax(_logits(graphdef, state, tokens, valid)))  # [B,T,V]
+    argmax, logp = map(np.asarray, _next_token_stats(graphdef, state, tokens, valid))
     for b, s in enumerate(seqs):
       n = len(prompts[i + b])
-      rows = logp[b, n - 1:len(s) - 1]  # [R, V]: predicts response token t from row t
-      target = np.asarray(s[n:])
-      miss = np.nonzero(rows.argmax(-1) != target)[0]
+      rows = slice(n - 1, len(s) - 1)  # the positions that predict the response tokens
+      miss = np.nonzero(argmax[b, rows] != np.asarray(s[n:]))[0]
       exact.append(len(miss) == 0)
-      probs.append(math.exp(float(rows[np.arange(len(target)), target].sum())))
+      probs.append(math.exp(float(logp[b, rows].sum())))
       wrong += len(miss)
       if len(miss):
-        first.append(miss[0] / len(target))
+        first.append(miss[0] / (len(s) - n))
   return {"n": len(exact), "greedy_exact": float(np.mean(exact)),
           "sampled_prob": float(np.mean(probs)),
           "token_error": wrong / sum(map(len, references)),
