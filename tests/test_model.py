@@ -12,6 +12,7 @@ from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import PRESETS, get_preset
 from spec_rl_jax.models.kv_cache import ContiguousKVCache
+from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import abstract_decoder, init_decoder, param_count
 
 BIG = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b", "llama-3.1-8b"]
@@ -82,6 +83,29 @@ def test_contiguous_cache_prefill_then_decode_matches_full_forward():
     cache = out.cache
     steps.append(np.asarray(out.logits))
   np.testing.assert_allclose(np.concatenate(steps, 1), full, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+def test_inference_weight_layouts_match_the_stacked_forward(rows):
+  """CPU per-layer copies, output-major (1 row) or input-major (from 2 rows): the same
+  logits as the scanned forward over the stored weights."""
+  cfg = get_preset("tiny-qwen3").replace(num_layers=3)
+  model = init_decoder(cfg, seed=3)
+  tokens, pos = _batch(cfg, B=2, T=10)
+  weights = transformer.inference_weights(model, rows)
+  H, Dh, D, F = cfg.num_heads, cfg.head_dim, cfg.embed_dim, cfg.mlp_dim
+  attn, mlp = weights.layers[1]["attn"], weights.layers[1]["mlp"]
+  input_major = rows >= transformer.INPUT_MAJOR_MIN_ROWS
+  assert attn["q"].get_metadata().get("input_major", False) == input_major
+  assert attn["q"][...].shape == ((D, H, Dh) if input_major else (H, Dh, D))
+  assert attn["o"][...].shape == ((H, Dh, D) if input_major else (D, H, Dh))
+  assert mlp["down"][...].shape == ((F, D) if input_major else (D, F))
+  np.testing.assert_array_equal(  # the copy holds layer 1's weights, transposed or not
+      attn["q"][...], np.transpose(model.layers.attn.q[...][1], (2, 0, 1)) if input_major
+      else model.layers.attn.q[...][1])
+  got = transformer.apply(nnx.graphdef(model), weights, tokens, pos).logits
+  np.testing.assert_allclose(np.asarray(got), np.asarray(model(tokens, pos).logits),
+                             atol=2e-5)
 
 
 def test_hidden_layers_and_remat():

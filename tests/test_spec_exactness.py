@@ -51,7 +51,7 @@ class ConstantProposer:
   def __init__(self, token: int):
     self.token = token
 
-  def params(self):
+  def params(self, rows):
     return None
 
   def init_state(self, config):

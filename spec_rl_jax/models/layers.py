@@ -6,15 +6,16 @@ Shape legend: ``B`` batch, ``T`` new tokens, ``D`` embed dim, ``H`` query heads,
 Every parameter is created with a ``stack`` prefix shape (``(L,)`` for the scanned
 layer stack) and logical ``axes`` metadata read by `spec_rl_jax.sharding`. Projection
 weights are stored output-major, as ``nn.Linear`` stores them (``q: [H, Dh, D]``,
-``o: [D, H, Dh]``, ``gate: [F, D]``), and every projection runs as one 2-D matmul that
-contracts both operands' last dim (the head dims merged by a free reshape). XLA:CPU's
-matmul library read that layout fastest on a Xeon (2 cores): at ``B = 32`` a decode
-forward of the 110M-parameter bench model took 47.8 ms against 62.1 ms input-major. On
-an AMD EPYC (2 cores, AVX-512) it is the other way round for batched rows: the bench
-model's projections at 8 rows took 53.9 ms output-major against 31.5 ms input-major
-(at 1 row 18.8 vs 20.1 ms), and the engine decoded 1.16-1.37x faster at ``B = 8`` with
-its per-layer copies transposed. A 3-D weight contracted on another dim gets a
-transposing copy per call instead.
+``o: [D, H, Dh]``, ``gate: [F, D]``), with ``in_dims`` metadata: how many trailing dims
+are the input. `project` runs each projection as one 2-D matmul (head dims merged by a
+free reshape), on that layout or on an input-major inference copy
+(`transformer.inference_weights`: ``q: [D, H, Dh]``, ``o: [H, Dh, D]``, ``gate: [D, F]``,
+``input_major`` metadata). Which layout XLA:CPU reads faster depends on the rows: the
+bench model's projections (12 layers + LM head) on an AMD EPYC (2 cores) took 16.5 vs
+18.5 ms at 1 row output- vs input-major, but 36.4 vs 28.5 at 2 rows, 45.7 vs 33.9 at 8
+and 109.1 vs 87.5 at 32 (the projections as separate per-layer arrays, best of 5). An
+earlier measurement on a Xeon found output-major faster at 32 rows (a decode forward
+47.8 vs 62.1 ms), so the split is a measured default, not a law.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ INIT_STD = 0.02  # HF ``initializer_range``
 
 
 def _param(rngs: nnx.Rngs | None, stack: tuple[int, ...], shape: tuple[int, ...],
-           axes: tuple[str, ...], dtype, init: str = "normal") -> nnx.Param:
+           axes: tuple[str, ...], dtype, init: str = "normal", **metadata) -> nnx.Param:
   full = stack + shape
   full_axes = ("layers",) * len(stack) + axes
   if init == "ones":
     value = jnp.ones(full, dtype)
   else:
     value = (INIT_STD * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
-  return nnx.Param(value, axes=full_axes)
+  return nnx.Param(value, axes=full_axes, **metadata)
 
 
 class RMSNorm(nnx.Module):
@@ -84,15 +85,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return out.astype(x.dtype)
 
 
-def _linear(x: jax.Array, w: jax.Array) -> jax.Array:
-  """``x[..., I] · w[O, I]ᵀ → [..., O]``."""
-  return jnp.einsum("...i,oi->...o", x, w)
-
-
-def _proj_heads(x: jax.Array, w: jax.Array) -> jax.Array:
-  """``x[B,T,D] · w[N,Dh,D] → [B,T,N,Dh]``, one matmul over ``w`` as ``[N·Dh, D]``."""
-  N, Dh, D = w.shape
-  return _linear(x, w.reshape(N * Dh, D)).reshape(*x.shape[:-1], N, Dh)
+def project(x: jax.Array, w: nnx.Variable) -> jax.Array:
+  """``x[..., I] · W → [..., *O]`` for a projection weight whose ``w.in_dims`` input dims
+  (flattened: ``I``) are last as stored (``[*O, *I]``) or first in an input-major
+  inference copy (``[*I, *O]``, ``input_major`` metadata)."""
+  value, n_in = w[...], w.in_dims
+  if w.get_metadata().get("input_major", False):
+    out_shape = value.shape[n_in:]
+    y = jnp.einsum("...i,io->...o", x, value.reshape(x.shape[-1], -1))
+  else:
+    out_shape = value.shape[:value.ndim - n_in]
+    y = jnp.einsum("...i,oi->...o", x, value.reshape(-1, x.shape[-1]))
+  return y.reshape(*x.shape[:-1], *out_shape)
 
 
 class Attention(nnx.Module):
@@ -100,10 +104,10 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
     D, H, K, Dh, dt = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.dtype
-    self.q = _param(rngs, stack, (H, Dh, D), ("heads", "head_dim", "embed"), dt)
-    self.k = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt)
-    self.v = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt)
-    self.o = _param(rngs, stack, (D, H, Dh), ("embed", "heads", "head_dim"), dt)
+    self.q = _param(rngs, stack, (H, Dh, D), ("heads", "head_dim", "embed"), dt, in_dims=1)
+    self.k = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt, in_dims=1)
+    self.v = _param(rngs, stack, (K, Dh, D), ("kv_heads", "head_dim", "embed"), dt, in_dims=1)
+    self.o = _param(rngs, stack, (D, H, Dh), ("embed", "heads", "head_dim"), dt, in_dims=2)
     if cfg.qk_norm:
       self.q_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
       self.k_norm = RMSNorm(Dh, cfg.norm_eps, stack=stack, axes=("head_dim",), dtype=dt)
@@ -116,9 +120,7 @@ class Attention(nnx.Module):
     ``attend(q, k, v) -> (out, new_cache_layers)`` closes over the attention context
     (models/attention.py): it writes this layer's ``k, v`` and attends.
     """
-    q = _proj_heads(x, self.q[...])
-    k = _proj_heads(x, self.k[...])
-    v = _proj_heads(x, self.v[...])
+    q, k, v = project(x, self.q), project(x, self.k), project(x, self.v)  # [B, T, N, Dh]
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     q = shard(apply_rope(q, positions, inv_freq), ("batch", "seq", "act_heads", None))
@@ -127,7 +129,7 @@ class Attention(nnx.Module):
     out, cache_layers = attend(q, k, v)  # out: [B, T, H, Dh]
     B, T, H, Dh = out.shape
     out = out.astype(x.dtype).reshape(B, T, H * Dh)
-    return _linear(out, self.o[...].reshape(-1, H * Dh)), cache_layers  # o as [D, H·Dh]
+    return project(out, self.o), cache_layers
 
 
 class MLP(nnx.Module):
@@ -135,14 +137,14 @@ class MLP(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, stack=()):
     D, F, dt = cfg.embed_dim, cfg.mlp_dim, cfg.dtype
-    self.gate = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
-    self.up = _param(rngs, stack, (F, D), ("mlp", "embed"), dt)
-    self.down = _param(rngs, stack, (D, F), ("embed", "mlp"), dt)
+    self.gate = _param(rngs, stack, (F, D), ("mlp", "embed"), dt, in_dims=1)
+    self.up = _param(rngs, stack, (F, D), ("mlp", "embed"), dt, in_dims=1)
+    self.down = _param(rngs, stack, (D, F), ("embed", "mlp"), dt, in_dims=1)
 
   def __call__(self, x):
-    h = jax.nn.silu(_linear(x, self.gate[...])) * _linear(x, self.up[...])
+    h = jax.nn.silu(project(x, self.gate)) * project(x, self.up)
     h = shard(h, ("batch", "seq", "act_mlp"))
-    return _linear(h, self.down[...])
+    return project(h, self.down)
 
 
 class Block(nnx.Module):

@@ -131,7 +131,9 @@ class RolloutEngine:
     if tokenizer is not None:
       check_vocab(tokenizer, model.cfg.vocab_size)
     self._graphdef = nnx.graphdef(model)
-    self._params = transformer.inference_weights(model)
+    # Rows of a decode step's matmuls: every slot verifies K drafts + 1 token.
+    self._matmul_rows = config.num_slots * (config.num_draft_tokens + 1)
+    self._params = transformer.inference_weights(model, self._matmul_rows)
     self._pool = PagePool(config.num_pages, config.page_size)
     self._memory: dict[tuple[int, ...], collections.deque] = {}
     # Response lengths of the latest finished requests: the scheduler's length model.
@@ -395,7 +397,7 @@ class RolloutEngine:
     """Uses ``model``'s weights for the next rollouts (same config required)."""
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a model with the engine's ModelConfig")
-    self._params = transformer.inference_weights(model)
+    self._params = transformer.inference_weights(model, self._matmul_rows)
 
   def memory_state(self) -> dict:
     """The per-prompt rollout memory (n-gram references) as JSON-able lists, newest
@@ -636,7 +638,7 @@ class RolloutEngine:
     return d / (d + v)
 
   def _proposer_params(self):
-    return None if self.proposer is None else self.proposer.params()
+    return None if self.proposer is None else self.proposer.params(self.config.num_slots)
 
   def _device_counters(self) -> np.ndarray:
     return np.concatenate([np.asarray(self._state.counters), np.asarray(self._state.accepted_at)])

@@ -50,8 +50,9 @@ class Proposer(Protocol):
 
   reads_other_slots: bool
 
-  def params(self) -> Any:
-    """Weights the proposer reads (``None`` if none)."""
+  def params(self, rows: int) -> Any:
+    """Weights the proposer reads (``None`` if none), laid out for drafting ``rows``
+    slots at a time (`transformer.inference_weights`)."""
 
   def init_state(self, config: EngineConfig) -> Any:
     """The proposer's mutable device state."""

@@ -55,19 +55,22 @@ class DraftModelProposer:
       check_tokenizers_match(policy_tokenizer, tokenizer)
     self.model_config = model.cfg
     self._graphdef = nnx.graphdef(model)
-    self._params = transformer.inference_weights(model)
+    self._model = model
+    self._params: transformer.Weights | None = None  # laid out by `params`, cached
+
+  def params(self, rows):
+    if self._params is None or self._params_rows != rows:
+      self._params, self._params_rows = transformer.inference_weights(self._model, rows), rows
+    return self._params
 
   @property
   def vocab_size(self) -> int:
     return self.model_config.vocab_size
 
-  def params(self):
-    return self._params
-
   def update_params(self, model: Decoder) -> None:
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a draft model with the same ModelConfig")
-    self._params = transformer.inference_weights(model)
+    self._model, self._params = model, None
 
   def init_state(self, config: EngineConfig) -> PagedKVCache:
     return PagedKVCache.init(self.model_config, config.num_slots, config.num_pages,

@@ -42,7 +42,7 @@ class NGramProposer:
       raise ValueError(f"max_siblings must be >= 0, got {max_siblings}")
     self.max_ngram, self.min_ngram, self.max_siblings = max_ngram, min_ngram, max_siblings
 
-  def params(self):
+  def params(self, rows):
     return None
 
   def init_state(self, config: EngineConfig):

@@ -157,7 +157,7 @@ class SelfSparseProposer:
   def vocab_size(self) -> int:
     return self.model_config.vocab_size
 
-  def params(self):
+  def params(self, rows):
     return None  # drafts with the policy's weights (DraftContext.target_params)
 
   def init_state(self, config: EngineConfig):
