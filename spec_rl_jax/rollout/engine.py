@@ -148,10 +148,11 @@ class RolloutEngine:
     # Fixed output shardings: the state round-trips through both functions unchanged,
     # so neither recompiles after the first call.
     self._state_sharding = state_sharding
+    forward = transformer.inference_compiler_options()
     self._prefill_fn = jax.jit(self._prefill_insert, donate_argnums=2,
-                               out_shardings=state_sharding)
+                               out_shardings=state_sharding, compiler_options=forward)
     self._recompute_fn = jax.jit(self._recompute_insert, donate_argnums=2,
-                                 out_shardings=state_sharding)
+                                 out_shardings=state_sharding, compiler_options=forward)
     self._take_out_fn = jax.jit(self._take_out, donate_argnums=0)
     self._put_back_fn = jax.jit(self._put_back, donate_argnums=0,
                                 out_shardings=state_sharding)
@@ -161,12 +162,12 @@ class RolloutEngine:
     state_and_replicated = (state_sharding, NamedSharding(mesh, P()))
     self._decode_fn = jax.jit(self._decode, donate_argnums=2,
                               static_argnames=("slots", "pages"),
-                              out_shardings=state_and_replicated)
+                              out_shardings=state_and_replicated, compiler_options=forward)
     # `_draft_time_fraction`: each phase alone, the state donated as in the device loop.
     self._draft_only = jax.jit(self._draft_alone, donate_argnums=2, static_argnames="pages",
-                               out_shardings=state_and_replicated)
+                               out_shardings=state_and_replicated, compiler_options=forward)
     self._verify_only = jax.jit(self._verify_alone, donate_argnums=1, static_argnames="pages",
-                                out_shardings=state_and_replicated)
+                                out_shardings=state_and_replicated, compiler_options=forward)
     self.stats = collections.Counter()
 
   @property
