@@ -20,6 +20,7 @@ import functools
 import json
 import math
 import os
+import sys
 from collections.abc import Sequence
 
 import jax
@@ -129,12 +130,11 @@ def draft_acceptance(draft: Decoder, policy: Decoder, tokenizer: Tokenizer,
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
-def _next_token_stats(graphdef, state, tokens, valid):
-  """``(argmax [B, T], log p(tokens[:, t + 1]) [B, T])`` of each position's next-token
-  distribution (the last column's log p scores a wrapped-around token: unused)."""
+def _next_token_stats(graphdef, state, tokens, valid, targets):
+  """``(argmax [B, T], log p(targets) [B, T])`` of each position's next-token
+  distribution."""
   logp = jax.nn.log_softmax(_logits(graphdef, state, tokens, valid))  # [B, T, V]
-  following = jnp.roll(tokens, -1, axis=1)
-  return logp.argmax(-1), jnp.take_along_axis(logp, following[..., None], -1)[..., 0]
+  return logp.argmax(-1), jnp.take_along_axis(logp, targets[..., None], -1)[..., 0]
 
 
 def reference_exactness(model: Decoder, prompts: Sequence[Sequence[int]],
@@ -153,25 +153,21 @@ def reference_exactness(model: Decoder, prompts: Sequence[Sequence[int]],
     response length (mean over the examples that have one; NaN if none does).
   """
   graphdef, state = nnx.split(model)
+  examples = [{"ids": np.asarray(list(p) + list(r), np.int32), "prompt_len": len(p)}
+              for p, r in zip(prompts, references)]
   exact, probs, wrong, first = [], [], 0, []
-  for i in range(0, len(prompts), batch_size):
-    seqs = [list(p) + list(r) for p, r in zip(prompts[i:i + batch_size],
-                                                references[i:i + batch_size])]
-    T = -(-max(map(len, seqs)) // 64) * 64
-    tokens = np.zeros((len(seqs), T), np.int32)
-    valid = np.zeros((len(seqs), T), bool)
-    for b, s in enumerate(seqs):
-      tokens[b, :len(s)], valid[b, :len(s)] = s, True
-    argmax, logp = map(np.asarray, _next_token_stats(graphdef, state, tokens, valid))
-    for b, s in enumerate(seqs):
-      n = len(prompts[i + b])
-      rows = slice(n - 1, len(s) - 1)  # the positions that predict the response tokens
-      miss = np.nonzero(argmax[b, rows] != np.asarray(s[n:]))[0]
+  for i in range(0, len(examples), batch_size):
+    batch = data.collate_sft(examples[i:i + batch_size], pad_id=0, max_len=sys.maxsize,
+                             pad_multiple=64)  # no truncation
+    argmax, logp = map(np.asarray, _next_token_stats(
+        graphdef, state, batch["tokens"], batch["valid"], batch["targets"]))
+    for b, response in enumerate(batch["loss_mask"] > 0):  # the response's positions
+      miss = np.nonzero(argmax[b, response] != batch["targets"][b, response])[0]
       exact.append(len(miss) == 0)
-      probs.append(math.exp(float(logp[b, rows].sum())))
+      probs.append(math.exp(float(logp[b, response].sum())))
       wrong += len(miss)
       if len(miss):
-        first.append(miss[0] / (len(s) - n))
+        first.append(miss[0] / response.sum())
   return {"n": len(exact), "greedy_exact": float(np.mean(exact)),
           "sampled_prob": float(np.mean(probs)),
           "token_error": wrong / sum(map(len, references)),

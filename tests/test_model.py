@@ -8,11 +8,10 @@ import torch
 import transformers
 from flax import nnx
 
-from spec_rl_jax.models import hf_io
+from spec_rl_jax.models import hf_io, transformer
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import PRESETS, get_preset
 from spec_rl_jax.models.kv_cache import ContiguousKVCache
-from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import abstract_decoder, init_decoder, param_count
 
 BIG = ["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b", "llama-3.1-8b"]

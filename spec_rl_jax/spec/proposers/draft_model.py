@@ -56,12 +56,12 @@ class DraftModelProposer:
     self.model_config = model.cfg
     self._graphdef = nnx.graphdef(model)
     self._model = model
-    self._params: transformer.Weights | None = None  # laid out by `params`, cached
+    self._laid_out: tuple[int, transformer.Weights] | None = None  # (rows, weights)
 
   def params(self, rows):
-    if self._params is None or self._params_rows != rows:
-      self._params, self._params_rows = transformer.inference_weights(self._model, rows), rows
-    return self._params
+    if self._laid_out is None or self._laid_out[0] != rows:
+      self._laid_out = rows, transformer.inference_weights(self._model, rows)
+    return self._laid_out[1]
 
   @property
   def vocab_size(self) -> int:
@@ -70,7 +70,7 @@ class DraftModelProposer:
   def update_params(self, model: Decoder) -> None:
     if model.cfg != self.model_config:
       raise ValueError("update_params needs a draft model with the same ModelConfig")
-    self._model, self._params = model, None
+    self._model, self._laid_out = model, None
 
   def init_state(self, config: EngineConfig) -> PagedKVCache:
     return PagedKVCache.init(self.model_config, config.num_slots, config.num_pages,
