@@ -168,3 +168,23 @@ def test_counting_is_long_and_exact():
     assert task.verify(" ".join(nums) + f"\n#### {nums[-1]}", r["answer"]) == 1.0
   with pytest.raises(ValueError, match="min_span"):
     Counting(min_span=5, max_span=3)
+
+
+def test_counting_geometric_spans_have_a_flat_stop_hazard():
+  """With ``stop_hazard`` h the count stops after each number with probability h, however
+  long it already is (so the length carries nothing about the stop), up to max_span."""
+  from spec_rl_jax.tasks.counting import Counting
+  task = Counting(min_span=3, max_span=40, stop_hazard=0.1)
+  rng = np.random.default_rng(0)
+  spans = np.array([int(b) - int(a) + 1 for a, b in
+                    (task.sample(rng).key.split("-") for _ in range(20_000))])
+  assert spans.min() == 3 and spans.max() <= 40
+  for s in (3, 8, 15):  # P(span = s | span >= s), binomial std 0.002-0.004
+    reached = (spans >= s).sum()
+    assert abs((spans == s).sum() / reached - 0.1) < 0.02, s
+  uniform = Counting(min_span=3, max_span=40)
+  spans_u = [int(b) - int(a) + 1 for a, b in (uniform.sample(rng).key.split("-")
+                                              for _ in range(4_000))]
+  assert abs(np.mean(spans_u) - 21.5) < 0.6  # uniform stays the default
+  with pytest.raises(ValueError, match="stop_hazard"):
+    Counting(stop_hazard=1.0)
