@@ -78,22 +78,37 @@ class SFTConfig:
 # the time and gave the same acceptance (measured: 0.944 vs 0.945 arithmetic, 0.810 vs
 # 0.811 countdown, `eval.draft_acceptance`); ``--teacher policy --distill_weight 0.5``
 # turns it on.
-# ``long-*``: the long-response workload of bench/sparse.py (not part of "all"), a
-# curriculum of two stages: counting itself on short spans (cheap rows), then the long
-# spans, where stopping needs the target from ~2,000 positions back. One stage of 200
-# long steps from scratch left a policy at 96% token accuracy whose sampled responses
-# were garbage after a few dozen numbers.
-_SHORT = dict(data=("task:counting?min_span=5,max_span=50",), batch_size=16, max_len=256,
-              pad_multiple=256, steps=400)
-_LONG = dict(data=("task:counting",), batch_size=4, max_len=2304, pad_multiple=2304,
-             steps=150, lr=1e-3, warmup_steps=10)
+# ``long-*``: the long-response workload of bench/sparse.py and configs/counting_long.yaml
+# (not part of "all"). The policy's curriculum (tasks/counting.py; each stage checked
+# with ``python -m spec_rl_jax.eval --reference``, teacher-forced exactness):
+#   count  spans 2-8: counting, carries, copying the start, the stop on short counts;
+#   short  spans 2-140 with a flat stop hazard (1/40): the stop as a comparison of the
+#          number just written with the prompt's end number (uniform spans teach a
+#          length hazard instead, or, on short spans, a last-digit match: stop 31);
+#   long   spans 2-500, flat hazard 1/250: the same at up to ~2,500 positions.
+# One stage of 200 long steps from scratch left a policy at 96% token accuracy whose
+# sampled responses were garbage after a few dozen numbers. The draft only needs to be
+# likely, not exact: spans 5-50, then the RL distribution.
+_COUNT = dict(model="long-policy", data=("task:counting?min_span=2,max_span=8",),
+              batch_size=128, max_len=80, pad_multiple=80, steps=300)
+_SHORT = dict(model="long-policy", init="long-policy-count", batch_size=16,
+              data=("task:counting?min_span=2,max_span=140,stop_hazard=0.025",),
+              max_len=768, pad_multiple=64, steps=700)
+_LONG = dict(model="long-policy", init="long-policy-short", batch_size=4,
+             data=("task:counting?min_span=2,max_span=500,stop_hazard=0.004",),
+             max_len=2304, pad_multiple=768, steps=400, lr=5e-4, warmup_steps=10)
+_DRAFT_SHORT = dict(data=("task:counting?min_span=5,max_span=50",), batch_size=16,
+                    max_len=256, pad_multiple=256, steps=400)
+_DRAFT_LONG = dict(data=("task:counting",), batch_size=4, max_len=2304, pad_multiple=2304,
+                   steps=150, lr=1e-3, warmup_steps=10)
 TARGETS: dict[str, SFTConfig] = {
     "policy": SFTConfig(),
     "draft": SFTConfig(model="default-draft"),
-    "long-policy-short": SFTConfig(model="long-policy", **_SHORT),
-    "long-policy": SFTConfig(model="long-policy", init="long-policy-short", **_LONG),
-    "long-draft-short": SFTConfig(model="long-draft", **_SHORT),
-    "long-draft": SFTConfig(model="long-draft", init="long-draft-short", **_LONG),
+    "long-policy-count": SFTConfig(**_COUNT),
+    "long-policy-short": SFTConfig(**_SHORT),
+    "long-policy": SFTConfig(**_LONG),
+    "long-draft-short": SFTConfig(model="long-draft", **_DRAFT_SHORT),
+    "long-draft": SFTConfig(model="long-draft", init="long-draft-short", **_DRAFT_LONG),
 }
 DEFAULT_TARGETS = ("policy", "draft")
 
