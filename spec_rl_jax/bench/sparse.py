@@ -4,8 +4,8 @@ workload: ``python -m spec_rl_jax.bench.sparse``.
 Workload: the counting task (tasks/counting.py: spans of 100-500 numbers, responses of
 ~450-2,500 tokens) with the ``long-policy`` / ``long-draft`` models (trained into the
 cache on first use, about an hour on 2 CPU cores, 45 minutes of it the policy's three
-stages: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, RL sampling (temperature 1). Throughput counts
-emitted tokens only.
+stages: ``python -m spec_rl_jax.sft --target long-policy``), held-out prompts, RL
+sampling (temperature 1). Throughput counts emitted tokens only.
 
 Part 1 — decoding: AR (K = 0), ``self_sparse`` at several page budgets (fraction of
 the slot's used pages) and K with the selection chosen once per round (the default),
