@@ -137,6 +137,14 @@ class Source:
     return SOURCES[self.kind].describe(self)
 
 
+def source_labels(sources: Sequence[Source]) -> list[str]:
+  """Result keys for ``sources``: the task or file name, with the parameters appended
+  where two sources share a name (``counting?max_span=100,min_span=2``)."""
+  names = [os.path.basename(s.name) for s in sources]
+  return [n + "?" + ",".join(f"{k}={v}" for k, v in sorted(s.params))
+          if names.count(n) > 1 and s.params else n for n, s in zip(names, sources)]
+
+
 @dataclasses.dataclass(frozen=True)
 class SourceKind:
   """How one kind of source yields records."""

@@ -94,9 +94,9 @@ def evaluate_source(model: Decoder, tokenizer: Tokenizer, source: data.Source, n
 def evaluate(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.Source],
              n: int = 200, k: int = 8, temperature: float = 1.0,
              seed: int = 0) -> dict[str, dict[str, float]]:
-  """`evaluate_source` for each source, keyed by task name or file name."""
-  return {os.path.basename(s.name): evaluate_source(model, tokenizer, s, n, k, temperature,
-                                                    seed) for s in sources}
+  """`evaluate_source` for each source, keyed by `data.source_labels`."""
+  return {label: evaluate_source(model, tokenizer, s, n, k, temperature, seed)
+          for label, s in zip(data.source_labels(sources), sources)}
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -206,15 +206,15 @@ def main(argv: Sequence[str] | None = None) -> None:
   sources = [data.Source.parse(s) for s in args.data]
   if args.reference:
     results = {"model": args.model, "reference": {
-        os.path.basename(s.name): source_reference_exactness(model, tokenizer, s, args.n,
-                                                             args.seed) for s in sources}}
+        label: source_reference_exactness(model, tokenizer, s, args.n, args.seed)
+        for label, s in zip(data.source_labels(sources), sources)}}
   else:
     results = {"model": args.model, "accuracy": evaluate(
         model, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
   if args.draft:
     draft, _ = checkpoint.load_model(args.draft)
-    results["draft"] = {os.path.basename(s.name): draft_acceptance(
-        draft, model, tokenizer, s, args.n, args.seed) for s in sources}
+    results["draft"] = {label: draft_acceptance(draft, model, tokenizer, s, args.n, args.seed)
+                        for label, s in zip(data.source_labels(sources), sources)}
   print(json.dumps(results, indent=2))
   if args.out:
     with open(args.out, "w") as f:

@@ -121,3 +121,12 @@ def test_cli_reference_mode(tok, tmp_path, capsys):
   assert "accuracy" not in result
   ref = result["reference"]["counting"]
   assert ref["n"] == 3 and 0 <= ref["greedy_exact"] <= 1 and 0 < ref["token_error"] <= 1
+  # Two sources of one task are told apart by their parameters, not overwritten.
+  evaluation.main(["--model", model_dir, "--data", "task:counting?min_span=2,max_span=4",
+                   "task:counting?min_span=30,max_span=40", "task:counting", "--n", "3",
+                   "--reference"])
+  both = json.loads(capsys.readouterr().out)["reference"]
+  assert set(both) == {"counting?max_span=4,min_span=2", "counting?max_span=40,min_span=30",
+                       "counting"}
+  assert both["counting?max_span=4,min_span=2"] == ref
+  assert both["counting?max_span=40,min_span=30"] != ref
