@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -116,8 +117,12 @@ def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, in
                    max_seq: int) -> dict[str, list[tuple[int, int]]]:
   """``{seed: [(prompt_len, response_len)] * n}`` of the long-policy's responses (AR,
   temperature 1, unlimited KV budget), recorded once into ``path`` (again when the
-  workload there differs)."""
-  workload = {"spans": list(spans), "max_seq": max_seq}
+  workload there differs: spans, positions, or the policy's weights)."""
+  from spec_rl_jax.checkpoint import cache_dir
+  policy, tok = sparse.ensure_long_models(("long-policy",))
+  with open(os.path.join(cache_dir(), "long-policy", "model.safetensors"), "rb") as f:
+    weights = hashlib.sha256(f.read()).hexdigest()[:16]
+  workload = {"spans": list(spans), "max_seq": max_seq, "policy_sha256": weights}
   if os.path.exists(path):
     with open(path) as f:
       rec = json.load(f)
@@ -128,7 +133,6 @@ def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, in
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
-  policy, tok = sparse.ensure_long_models(("long-policy",))
   engine = RolloutEngine(policy, EngineConfig(
       num_slots=32, page_size=16, max_seq_len=max_seq, max_new_tokens=max_seq - 64,
       round_budget=64, sampling=SamplingParams(temperature=1.0), eos_ids=tok.eos_ids), tok)
