@@ -84,8 +84,11 @@ class SFTConfig:
 #   count  spans 2-8: counting, carries, copying the start, the stop on short counts;
 #   short  spans 2-140 with a flat stop hazard (1/40): the stop as a comparison of the
 #          number just written with the prompt's end number (uniform spans teach a
-#          length hazard instead, or, on short spans, a last-digit match: stop 31);
+#          length hazard instead, or, on short spans, a last-digit match);
 #   long   spans 2-500, flat hazard 1/250: the same at up to ~2,500 positions.
+# Measured (2 cores: 9 + 20 + 17 minutes), teacher-forced on 32 held-out problems of the
+# RL distribution (spans 100-500): greedy exact 19/32, p(sampling the reference) 0.38;
+# the previous two-stage recipe on uniform spans: 0/16, 3e-4.
 # One stage of 200 long steps from scratch left a policy at 96% token accuracy whose
 # sampled responses were garbage after a few dozen numbers. The draft only needs to be
 # likely, not exact: spans 5-50, then the RL distribution.

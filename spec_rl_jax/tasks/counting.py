@@ -14,7 +14,7 @@ with ``stop_hazard`` h > 0, geometric: after each number from ``min_span`` on th
 stops with probability h (truncated at ``max_span``). The start is uniform in
 ``[0, max_start]``.
 
-Why the geometric option exists (SFT of the long policy, stop 31): with uniform spans a
+Why the geometric option exists (the long policy's SFT, sft.py): with uniform spans a
 small model learns to stop by length (at the true end the stop token gets the hazard of
 the span distribution, log p = -4.4 on spans 2-100), or, on short spans, at the first
 number whose last digit matches the end number's. Under a flat hazard the count so far
