@@ -9,15 +9,16 @@ measured side by side in one process:
      (config, seed) take their steps interleaved (AR SD, SD AR, AR SD, ...: machine
      noise hits both alike). Reported: the median step time split (rollout, reward,
      update; each trainer's first step, which compiles, reported apart), the median
-     over steps of the per-step ratio AR time / SD time (end-to-end and rollout; and
-     end-to-end per response token, since the two runs draw different responses whose
-     lengths set a step's time), the same two ratios with each phase's XLA compile
-     seconds taken out (later steps still compile new shapes — micro-batch lengths,
-     decode buckets — which a long run amortises: its steady state), and the reward
-     curves. SD is lossless, so the curves must agree within seed noise: the summary
-     gives the SD − AR difference of the final reward (mean of each run's last third of
-     steps, averaged over seeds) next to the seed-to-seed standard deviation of that
-     final reward.
+     over steps of the per-step ratio AR time / SD time with each phase's XLA compile
+     seconds taken out (end-to-end and rollout; and end-to-end per response token,
+     since the two runs draw different responses whose lengths set a step's time):
+     later steps still compile new shapes — micro-batch lengths, decode buckets — which
+     a long run compiles once, so these are its steady state (`recipe_speedups`; the
+     wall-clock ratios with the compiles left in are reported too), every step's
+     record (``steps`` in the JSON), and the reward curves. SD is lossless, so the
+     curves must agree within seed noise: the summary gives the SD − AR difference of
+     the final reward (mean of each run's last third of steps, averaged over seeds)
+     next to the seed-to-seed standard deviation of that final reward.
   2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
      batch: ``num_slots = N``) × response length ``L = max_new_tokens``, with EOS
      ignored so every response has exactly ``L`` tokens (as in vLLM's ``ignore_eos``
@@ -55,6 +56,10 @@ from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.train import Trainer
 
 PHASES = ("rollout", "reward", "update", "step")
+# What the JSON keeps of every step of part 1 (``steps``), to re-derive any ratio.
+STEP_FIELDS = ("time/rollout_s", "time/reward_s", "time/update_s", "time/step_s",
+               "time/rollout_compile_s", "time/update_compile_s", "rollout/response_len",
+               "rollout/reward_mean", "spec/acceptance_length")
 SYSTEMS = ("AR", "SD")
 
 
@@ -150,12 +155,43 @@ def _close(trainers: dict[str, Trainer]) -> None:
     tr.close()
 
 
-def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict, dict]:
-  """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves)."""
+def recipe_speedups(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
+  """Summary ratios ``AR / SD`` (> 1: SD faster) over ``(AR, SD)`` warm-step record
+  pairs, each the median of the per-pair ratios.
+
+  Throughput ratios take each phase's compile seconds out (`net_s`: compile time is
+  reported apart, never mixed into throughput, ../shared/BENCHMARKS.md): a short run's
+  warm steps still meet new shapes (micro-batch lengths, decode buckets) that a long
+  run compiles once, and the SD engine's speculative rounds compile longer than AR
+  steps. The wall-clock ratios with those compiles in are kept (``_incl_compile``).
+  The AR and SD runs sample different responses (same distribution, other draws): with
+  long, widely spread lengths a step's time follows its own lengths; per response
+  token the two compare the same work.
+  """
+  med = lambda xs: statistics.median(list(xs))
+  wall = lambda r, phase: r[f"time/{phase}_s"]
+  per_token = lambda r: net_s(r, "step") / r["rollout/response_len"]
+  return {
+      "step_speedup_sd_vs_ar_recipe": med(net_s(a, "step") / net_s(b, "step")
+                                          for a, b in pairs),
+      "rollout_speedup_sd_vs_ar_recipe": med(net_s(a, "rollout") / net_s(b, "rollout")
+                                             for a, b in pairs),
+      "step_speedup_per_token_sd_vs_ar_recipe": med(per_token(a) / per_token(b)
+                                                    for a, b in pairs),
+      "step_speedup_sd_vs_ar_recipe_incl_compile": med(wall(a, "step") / wall(b, "step")
+                                                       for a, b in pairs),
+      "rollout_speedup_sd_vs_ar_recipe_incl_compile": med(
+          wall(a, "rollout") / wall(b, "rollout") for a, b in pairs),
+      "ar_rollout_share_recipe": med(net_s(a, "rollout") / net_s(a, "step") for a, _ in pairs),
+  }
+
+
+def run_seeds(base: TrainConfig, plan: Plan, tmp: str
+              ) -> tuple[list[dict], dict, dict, list[dict]]:
+  """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves, per-step
+  records)."""
   K = base.drafter.num_draft_tokens
-  rows, curves, ratios = [], {s: {} for s in SYSTEMS}, {"step": [], "rollout": []}
-  excl_compile = {"step": [], "rollout": []}  # the same, each phase's compile seconds out
-  per_token = []  # AR / SD step time per response token, per step pair
+  rows, curves, pairs, steps = [], {s: {} for s in SYSTEMS}, [], []
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
     trainers = {s: Trainer(variant(base, f"{tmp}/runs/{s}{seed}", k, seed))
@@ -170,37 +206,24 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       finals[s].append(float(np.mean(rewards[-max(len(rewards) // 3, 1):])))
       rows.append({"case": "runs", "seed": seed, "system": s, **split(records[s]),
                    "reward_mean": float(np.mean(rewards)), "reward_final": finals[s][-1]})
-    warm_pairs = list(zip(records["AR"][1:], records["SD"][1:]))
-    for phase in ratios:
-      ratios[phase] += [a[f"time/{phase}_s"] / b[f"time/{phase}_s"] for a, b in warm_pairs]
-      excl_compile[phase] += [net_s(a, phase) / net_s(b, phase) for a, b in warm_pairs]
-    per_token += [(a["time/step_s"] / a["rollout/response_len"])
-                  / (b["time/step_s"] / b["rollout/response_len"]) for a, b in warm_pairs]
+      steps += [{"seed": seed, "system": s, "step": i + 1,
+                 **{k.split("/")[1]: r[k] for k in STEP_FIELDS}}
+                for i, r in enumerate(records[s])]
+    pairs += list(zip(records["AR"][1:], records["SD"][1:]))
   # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
   # has no scale to be read against: null.
   seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
               if len(plan.seeds) > 1 else None)
   diff = float(np.mean(finals["SD"]) - np.mean(finals["AR"]))
   summary = {
-      "step_speedup_sd_vs_ar_recipe": statistics.median(ratios["step"]),
-      "rollout_speedup_sd_vs_ar_recipe": statistics.median(ratios["rollout"]),
-      # The AR and SD runs sample different responses (same distribution, other draws):
-      # with long, widely spread lengths a step's time follows its own lengths; per
-      # response token the two compare the same work.
-      "step_speedup_per_token_sd_vs_ar_recipe": statistics.median(per_token),
-      # Warm steps can still compile (new micro-batch lengths, new decode shapes); a
-      # long run amortises that: each phase's compile seconds taken out (compile time is
-      # reported apart, never mixed into throughput: ../shared/BENCHMARKS.md).
-      "step_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(excl_compile["step"]),
-      "rollout_speedup_sd_vs_ar_recipe_excl_compile": statistics.median(
-          excl_compile["rollout"]),
+      **recipe_speedups(pairs),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
       "final_reward_seed_std": seed_std,
       "final_reward_diff_over_seed_std": diff / seed_std if seed_std else None,
   }
-  return rows, summary, curves
+  return rows, summary, curves, steps
 
 
 def run_sweep(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict]:
@@ -307,7 +330,7 @@ def main(argv=None) -> dict:
     # Trainers of equal shapes (every seed, every system's learner) compile once.
     jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    run_rows, summary, curves = run_seeds(base, plan, tmp)
+    run_rows, summary, curves, steps = run_seeds(base, plan, tmp)
     print(f"runs: {base.rollout.prompts_per_step}x{base.rollout.group_size} responses,"
           f" max_new_tokens {base.rollout.max_new_tokens}, seeds {list(plan.seeds)},"
           f" {plan.steps} steps")
@@ -332,14 +355,16 @@ def main(argv=None) -> dict:
   print(f"\nrecipe {summary['recipe']}: end-to-end step speedup SD/AR"
         f" {summary['step_speedup_sd_vs_ar_recipe']:.2f}x (rollout"
         f" {summary['rollout_speedup_sd_vs_ar_recipe']:.2f}x; per response token"
-        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; less compile seconds"
-        f" {summary['step_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x, rollout"
-        f" {summary['rollout_speedup_sd_vs_ar_recipe_excl_compile']:.2f}x);"
+        f" {summary['step_speedup_per_token_sd_vs_ar_recipe']:.2f}x; AR rollout share"
+        f" {summary['ar_rollout_share_recipe']:.2f}; compile seconds left in: step"
+        f" {summary['step_speedup_sd_vs_ar_recipe_incl_compile']:.2f}x, rollout"
+        f" {summary['rollout_speedup_sd_vs_ar_recipe_incl_compile']:.2f}x);"
         f" final reward SD - AR ="
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
-                                reward_curves=curves, plan=dataclasses.asdict(plan))
+                                reward_curves=curves, steps=steps,
+                                plan=dataclasses.asdict(plan))
   for p in plot(args.out, curves, sweep_rows):
     print(f"wrote {p}")
   return result["summary"]
