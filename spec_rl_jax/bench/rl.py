@@ -144,10 +144,10 @@ def split(records: list[dict]) -> dict:
                                          for r in warm)}
 
 
-def pair_ratio(ar: list[dict], sd: list[dict], phase: str) -> float:
-  """Median over warm steps of ``AR time / SD time`` less compile seconds (> 1: SD
-  faster)."""
-  return statistics.median(net_s(a, phase) / net_s(b, phase) for a, b in zip(ar[1:], sd[1:]))
+def pair_ratio(pairs: list[tuple[dict, dict]], phase: str) -> float:
+  """Median over ``(AR, SD)`` warm-step record pairs of ``AR time / SD time`` less
+  compile seconds (> 1: SD faster)."""
+  return statistics.median(net_s(a, phase) / net_s(b, phase) for a, b in pairs)
 
 
 def _close(trainers: dict[str, Trainer]) -> None:
@@ -172,10 +172,8 @@ def recipe_speedups(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
   wall = lambda r, phase: r[f"time/{phase}_s"]
   per_token = lambda r: net_s(r, "step") / r["rollout/response_len"]
   return {
-      "step_speedup_sd_vs_ar_recipe": med(net_s(a, "step") / net_s(b, "step")
-                                          for a, b in pairs),
-      "rollout_speedup_sd_vs_ar_recipe": med(net_s(a, "rollout") / net_s(b, "rollout")
-                                             for a, b in pairs),
+      "step_speedup_sd_vs_ar_recipe": pair_ratio(pairs, "step"),
+      "rollout_speedup_sd_vs_ar_recipe": pair_ratio(pairs, "rollout"),
       "step_speedup_per_token_sd_vs_ar_recipe": med(per_token(a) / per_token(b)
                                                     for a, b in pairs),
       "step_speedup_sd_vs_ar_recipe_incl_compile": med(wall(a, "step") / wall(b, "step")
@@ -244,7 +242,8 @@ def run_sweep(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
       N = B * G
       cell = {"case": f"N={N},L={L}", "N": N, "L": L}
       stats = {s: split(records[s]) for s in SYSTEMS}
-      step, rollout = (pair_ratio(records["AR"], records["SD"], p) for p in ("step", "rollout"))
+      pairs = list(zip(records["AR"][1:], records["SD"][1:]))
+      step, rollout = (pair_ratio(pairs, p) for p in ("step", "rollout"))
       share = stats["AR"]["rollout_s"] / stats["AR"]["step_s"]
       for s in SYSTEMS:
         rows.append({**cell, "system": s, **stats[s], "step_speedup": step,
