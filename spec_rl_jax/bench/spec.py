@@ -14,13 +14,20 @@ prompts one after another, same sampling: ``transformers`` assisted generation
 (``assistant_model``) and prompt-lookup decoding (``prompt_lookup_num_tokens``), set up
 for speed on the device JAX runs on (`common.torch_setup`, as in bench/rollout.py).
 
-Writes JSON (``summary``: best SD/AR speedup per proposer at B=1 and B=8, ours vs
-transformers assisted) and a PNG of speedup vs K per batch size.
+Where SD loses, a cost model from the same runs says why (`round_costs`): a round's
+device-loop seconds (``decode_s / rounds``) in AR steps, the n-gram round at the same K
+as the cost of verification (its drafting is nearly free), the draft model's drafting
+as the rest, and the speedup its acceptance would give with drafting free.
+
+Writes JSON (``summary``: best SD/AR speedup per proposer at each B, the cost model at
+the draft model's best K, ours vs transformers assisted) and a PNG of speedup vs K per
+batch size, the free-drafting ceiling dashed.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import time
 
@@ -30,6 +37,31 @@ from spec_rl_jax.bench import common
 
 
 MIN_REQUESTS = 8  # requests per timed run, whatever the batch size
+FREE_DRAFTER = "ngram"  # drafts by matching token history: its rounds are verification
+
+
+def round_costs(round_s: dict[str, float], acceptance: dict[str, float], ks) -> dict:
+  """Cost model of a speculative round, per draft length ``K``.
+
+  ``round_s``: device-loop seconds per round of ``ar``, ``draft_model_k{K}`` and
+  `FREE_DRAFTER` ``_k{K}`` on the same requests; ``acceptance``: tokens per slot-round.
+    round    draft model's round in AR steps;
+    verify   `FREE_DRAFTER`'s round in AR steps: the target forward over ``K + 1``
+             positions, the rejection sampler and the bookkeeping, plus its matching
+             (and every slot, busy or not: it reads siblings), so an upper bound;
+    draft    ``round - verify``: the draft model's ``K`` forwards (a lower bound);
+    ceiling  ``α / verify``: the speedup of the draft model's acceptance ``α`` with
+             drafting free (a lower bound).
+  Returns ``{quantity: {K: value}}``.
+  """
+  out = {q: {} for q in ("round", "verify", "draft", "ceiling")}
+  for k in ks:
+    dm = f"draft_model_k{k}"
+    out["round"][k] = round_s[dm] / round_s["ar"]
+    out["verify"][k] = round_s[f"{FREE_DRAFTER}_k{k}"] / round_s["ar"]
+    out["draft"][k] = out["round"][k] - out["verify"][k]
+    out["ceiling"][k] = acceptance[dm] / out["verify"][k]
+  return out
 
 
 def _load(path: str):
@@ -81,7 +113,7 @@ def main(argv=None) -> dict:
   }
   print(f"machine {common.machine_info()}; B={batch_sizes} K={ks} reps={reps}")
 
-  rows, summary, curves = [], {}, {}
+  rows, summary, curves, ceilings = [], {}, {}, {}
   for B in batch_sizes:
     prompts = _prompts(tokenizer, max(B, MIN_REQUESTS))
     max_seq = -(-(max(map(len, prompts)) + max_new + max(ks)) // 16) * 16
@@ -94,12 +126,13 @@ def main(argv=None) -> dict:
       engines[f"{name}" + (f"_k{K}" if K else "")] = RolloutEngine(
           policy, cfg, proposer=proposers[name]() if K else None)
     ids = iter(range(10**9))
-    last = {}
+    last, loop = {}, collections.defaultdict(lambda: np.zeros(2))  # (decode_s, rounds)
 
     def run(name, engine):
       def go():
-        last[name] = engine.generate([Request(p, next(ids)) for p in prompts])
-        return last[name].metrics["emitted_tokens"]
+        last[name] = m = engine.generate([Request(p, next(ids)) for p in prompts]).metrics
+        loop[name] += (m["decode_s"], m["rounds"])
+        return m["emitted_tokens"]
       return go
 
     for name, engine in engines.items():  # compile (reported apart)
@@ -107,6 +140,7 @@ def main(argv=None) -> dict:
       run(name, engine)()
       rows.append({"case": f"B={B}", "system": name, "metric": "first_call_s",
                    "value": time.perf_counter() - t})
+    loop.clear()
     res = common.alternate({n: run(n, e) for n, e in engines.items()}, reps=reps, warmup=0,
                            baseline="ar")
     for name in engines:
@@ -114,7 +148,7 @@ def main(argv=None) -> dict:
                    "value": res["rate"][name]})
       if name != "ar":
         rows.append({"case": f"B={B}", "system": name, "metric": "acceptance_length",
-                     "value": last[name].metrics["acceptance_length"]})
+                     "value": last[name]["acceptance_length"]})
         rows.append({"case": f"B={B}", "system": name, "metric": "speedup_vs_ar",
                      "value": res["ratio"][name]})
     for p in proposers:
@@ -123,6 +157,17 @@ def main(argv=None) -> dict:
       best_k = max(sp, key=sp.get)
       summary[f"sd_{p}_vs_ar_b{B}"] = sp[best_k]
       summary[f"sd_{p}_best_k_b{B}"] = best_k
+    costs = round_costs({n: float(t / r) for n, (t, r) in loop.items()},
+                        {n: m["acceptance_length"] for n, m in last.items()}, ks)
+    ceilings[B] = costs["ceiling"]
+    for q in costs:
+      rows += [{"case": f"B={B}", "system": f"draft_model_k{k}",
+                "metric": f"{q}_ar_steps" if q != "ceiling" else "free_draft_ceiling",
+                "value": costs[q][k]} for k in ks]
+    best_k = summary[f"sd_draft_model_best_k_b{B}"]
+    summary.update({f"draft_model_{q}_ar_steps_b{B}": costs[q][best_k]
+                    for q in ("round", "verify", "draft")})
+    summary[f"draft_model_free_draft_ceiling_b{B}"] = costs["ceiling"][best_k]
     if B == 1:
       summary.update(_hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks,
                                engines, run, rows))
@@ -130,7 +175,7 @@ def main(argv=None) -> dict:
   common.print_table(rows, ["case", "system", "metric", "value"])
   print("\nsummary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
   result = common.write_results(args.out, "spec", args.quick, summary, rows)
-  _plot(curves, ks, args.out)
+  _plot(curves, ceilings, ks, args.out)
   return result
 
 
@@ -175,17 +220,20 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
               res["rate"]["hf_prompt_lookup"] / res["rate"]["hf_plain"]}
 
 
-def _plot(curves, ks, out) -> None:
+def _plot(curves, ceilings, ks, out) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(8.5, 4))
   for (B, p), sp in sorted(curves.items()):
-    ax.plot(ks, [sp[k] for k in ks], marker="o", label=f"{p}, B={B}")
+    line, = ax.plot(ks, [sp[k] for k in ks], marker="o", label=f"{p}, B={B}")
+    if p == "draft_model":
+      ax.plot(ks, [ceilings[B][k] for k in ks], ls="--", color=line.get_color(),
+              label=f"{p}, B={B}, drafting free")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_xlabel("draft length K")
   ax.set_ylabel("speedup vs AR (tokens/s)")
-  ax.legend(fontsize=8)
+  ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.02, 1.0))
   ax.grid(alpha=0.3)
   fig.tight_layout()
   common.save_plot(fig, out)

@@ -486,11 +486,13 @@ class RolloutEngine:
       self._push_page_tables(sched)
       slot_rounds0 = int(self._state.counters[0])
       slots, pages = self._call_shape(sched)
+      t_call = time.perf_counter()  # the device is idle: counters[0] was just read
       self._state, rounds = self._decode_fn(
           self._params, self._proposer_params(), self._state, self._key,
           jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
           slots=slots, pages=pages)
       rounds = int(rounds)
+      self.stats["decode_s"] += time.perf_counter() - t_call
       rounds_at[pages] += rounds
       self.stats["device_calls"] += 1
       self.stats["rounds"] += rounds

@@ -92,11 +92,12 @@ class RolloutResult:
   ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
   speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of slot-rounds
   whose draft ``i`` was accepted), ``emitted_tokens``, ``prefills``, ``device_calls``,
-  ``admission_waits``, ``wall_s``, ``tokens_per_s``, ``slot_utilization`` (busy
-  slot-rounds / (rounds x slots)) and ``utilization_trace`` (per device call:
-  ``(rounds, busy fraction)``), the scheduler's ``preemptions``, ``offloads``,
-  ``recomputes``, ``restores``, ``offload_bytes``, ``restore_bytes``,
-  ``recompute_tokens`` (rollout/scheduler.py), and with drafting
+  ``admission_waits``, ``wall_s``, ``decode_s`` (seconds in the device loop of rounds,
+  dispatch and any compile included; the rest of ``wall_s`` is prefill and host work),
+  ``tokens_per_s``, ``slot_utilization`` (busy slot-rounds / (rounds x slots)) and
+  ``utilization_trace`` (per device call: ``(rounds, busy fraction)``), the scheduler's
+  ``preemptions``, ``offloads``, ``recomputes``, ``restores``, ``offload_bytes``,
+  ``restore_bytes``, ``recompute_tokens`` (rollout/scheduler.py), and with drafting
   ``draft_time_frac`` (share of a round spent proposing: median propose time over
   median propose + verify time, 5 alternated timings each on the state after the
   engine's first rollout).
