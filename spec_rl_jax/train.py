@@ -274,6 +274,7 @@ class Trainer:
         "train/nan_skipped_total": self.counters.nan_skipped,
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,
         "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
+        "time/rollout_decode_s": m["decode_s"],  # the device loop; the rest: prefill, host
         "time/step_s": t3 - t0, "time/rollout_frac": (t1 - t0) / (t3 - t0),
         # XLA compile seconds inside the phases (new shapes), included in their times
         "time/rollout_compile_s": rollout_compiles.seconds,

@@ -43,6 +43,7 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
   # Step 1 compiles the decode and gradient programs; their seconds are logged apart.
   for phase in ("rollout", "update"):
     assert 0 < records[0][f"time/{phase}_compile_s"] <= records[0][f"time/{phase}_s"]
+  assert all(0 < r["time/rollout_decode_s"] < r["time/rollout_s"] for r in records)
   lag = [r["spec/draft_lag_steps"] for r in records]
   assert lag == ([1, 2] if proposer == "draft_model" and K else [0, 0])
   assert load_config(os.path.join(run_dir, "config.yaml")) == load_config(None, overrides)

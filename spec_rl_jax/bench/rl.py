@@ -58,8 +58,8 @@ from spec_rl_jax.train import Trainer
 PHASES = ("rollout", "reward", "update", "step")
 # What the JSON keeps of every step of part 1 (``steps``), to re-derive any ratio.
 STEP_FIELDS = ("time/rollout_s", "time/reward_s", "time/update_s", "time/step_s",
-               "time/rollout_compile_s", "time/update_compile_s", "rollout/response_len",
-               "rollout/reward_mean", "spec/acceptance_length")
+               "time/rollout_decode_s", "time/rollout_compile_s", "time/update_compile_s",
+               "rollout/response_len", "rollout/reward_mean", "spec/acceptance_length")
 SYSTEMS = ("AR", "SD")
 
 
