@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from spec_rl_jax.rl.advantages import ADVANTAGES
+from spec_rl_jax.spec import proposers
 from spec_rl_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 
 LONG_PROMPT_POLICIES = ("skip", "error")
@@ -46,19 +47,32 @@ class PolicyConfig:
   distributed: bool = False  # multi-host: jax.distributed.initialize() from the env
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-  """Speculative rollouts: ``num_draft_tokens`` K (0 = plain AR) from ``proposer``."""
+def _drafter_post_init(self) -> None:
+  _check_choice("drafter.proposer", self.proposer, proposers.registry())
+  if self.num_draft_tokens < 0:
+    raise ConfigError(f"drafter.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
 
-  proposer: str = "draft_model"  # a key of train.PROPOSERS
-  num_draft_tokens: int = 3  # K
-  path: str = "draft"  # draft_model: checkpoint, relative = under the cache
-  max_ngram: int = 4  # ngram: longest suffix matched
-  reference_len: int = 0  # ngram: tokens of earlier rollouts of the prompt matched too
-  sparse_budget: float = 0.25  # self_sparse: fraction of the context's KV pages per step
-  sparse_sinks: int = 1  # self_sparse: first pages always read
-  sparse_window: int = 2  # self_sparse: newest pages always read
-  sparse_reselect: bool = False  # self_sparse: choose pages every draft step (else per round)
+
+def _drafter_options(self) -> Any:
+  """The chosen proposer's ``Config`` (its section of this config)."""
+  return getattr(self, self.proposer)
+
+
+# Speculative rollouts: ``num_draft_tokens`` K (0 = plain AR) drafted by ``proposer``,
+# and one section per registered proposer holding its own frozen ``Config``
+# (``drafter: {proposer: ngram, num_draft_tokens: 4, ngram: {max_ngram: 4}}``), so a
+# new proposer registers its options without an edit here.
+DrafterConfig = dataclasses.make_dataclass(
+    "DrafterConfig",
+    [("proposer", str, dataclasses.field(default="draft_model")),
+     ("num_draft_tokens", int, dataclasses.field(default=3))]
+    + [(name, cls.Config, dataclasses.field(default=cls.Config()))
+       for name, cls in sorted(proposers.registry().items())],
+    frozen=True,
+    namespace={"__post_init__": _drafter_post_init, "options": property(_drafter_options),
+               "__module__": __name__,
+               "__doc__": "Speculative rollouts: K drafts per round from ``proposer``;"
+                          " one section of options per registered proposer."})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -42,8 +42,8 @@ from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
-from spec_rl_jax.models.transformer import (init_decoder, param_count,
-                                            training_compiler_options)
+from spec_rl_jax.models.layout import training_compiler_options
+from spec_rl_jax.models.transformer import init_decoder, param_count
 from spec_rl_jax.tasks.bpe import default_tokenizer
 
 # Shape legend: B batch, T time, V vocab.

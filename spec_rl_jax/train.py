@@ -17,7 +17,7 @@ A step t (sync, staleness 0):
 
 The run directory holds ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``,
 ``ckpt/`` (params, optimizer, draft params, data iterator, counters, the engine's
-memory of earlier rollouts per prompt (ngram references); async orbax) and
+proposer's host memory, e.g. the n-gram references; async orbax) and
 ``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
 checkpoint with the same future. The draft model is not trained here: its lag behind
 the policy (updates since the draft weights were synced) is logged as
@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -42,9 +42,7 @@ from tqdm import tqdm
 from spec_rl_jax import checkpoint, data, sharding, sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
-from spec_rl_jax.config import DrafterConfig, TrainConfig, dump_config, load_config, to_dict
-from spec_rl_jax.models.tokenizer import Tokenizer
-from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.config import TrainConfig, dump_config, load_config, to_dict
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
 from spec_rl_jax.rl.learner import Learner, pack_rollouts
@@ -53,8 +51,7 @@ from spec_rl_jax.rl.rewards import batch_rewards
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
-from spec_rl_jax.spec.proposers import Proposer, make_proposer
-from spec_rl_jax.spec.proposers.self_sparse import PageBudget
+from spec_rl_jax.spec.proposers import build_proposer
 
 # Shape legend: B prompts per step, G group size, N = B·G responses, T time.
 
@@ -73,43 +70,12 @@ def ensure_default_models(cfg: TrainConfig) -> None:
   spec_rl_jax.sft``), so the no-argument run works on a fresh machine."""
   wanted = [cfg.policy.path]
   if cfg.drafter.num_draft_tokens and cfg.drafter.proposer == "draft_model":
-    wanted.append(cfg.drafter.path)
+    wanted.append(cfg.drafter.draft_model.path)
   missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
   if missing:
     print(f"default models {missing} not in {checkpoint.cache_dir()}: training them first"
           " (python -m spec_rl_jax.sft, a few minutes on CPU)", flush=True)
     sft.produce([t for t in sft.TARGETS if t in missing], {})
-
-
-def _draft_model(cfg: DrafterConfig, tokenizer: Tokenizer,
-                 policy: Decoder) -> tuple[Proposer, Decoder]:
-  del policy
-  draft, draft_tok = checkpoint.load_model(resolve_path(cfg.path))
-  return make_proposer("draft_model", model=draft, tokenizer=draft_tok,
-                       policy_tokenizer=tokenizer), draft
-
-
-def _ngram(cfg: DrafterConfig, tokenizer: Tokenizer, policy: Decoder) -> tuple[Proposer, None]:
-  del tokenizer, policy
-  return make_proposer("ngram", max_ngram=cfg.max_ngram), None
-
-
-def _self_sparse(cfg: DrafterConfig, tokenizer: Tokenizer,
-                 policy: Decoder) -> tuple[Proposer, None]:
-  del tokenizer
-  budget = PageBudget(n_sink=cfg.sparse_sinks, n_window=cfg.sparse_window,
-                      fraction=cfg.sparse_budget)
-  return make_proposer("self_sparse", model=policy, budget=budget,
-                       reselect=cfg.sparse_reselect), None
-
-
-# drafter config, policy tokenizer, policy -> (proposer, draft model or None if none)
-PROPOSERS: dict[str, Callable[[DrafterConfig, Tokenizer, Decoder],
-                              tuple[Proposer, Decoder | None]]] = {
-    "draft_model": _draft_model,
-    "ngram": _ngram,
-    "self_sparse": _self_sparse,
-}
 
 
 def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:
@@ -118,8 +84,7 @@ def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:
   return EngineConfig(
       num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
       max_seq_len=-(-need // r.page_size) * r.page_size, max_new_tokens=r.max_new_tokens,
-      round_budget=r.round_budget, eos_ids=tuple(eos_ids), seed=r.seed, num_draft_tokens=K,
-      reference_len=cfg.drafter.reference_len if K else 0,
+      round_budget=r.round_budget, eos_ids=tuple(eos_ids), seed=r.seed, max_draft_tokens=K,
       sampling=SamplingParams(r.temperature, r.top_k, r.top_p))
 
 
@@ -156,9 +121,9 @@ class Trainer:
     self.tokenizer = tokenizer
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens)
     self.learner.check_batch_size(self.N)
-    K = cfg.drafter.num_draft_tokens
-    self.proposer, self.draft = (PROPOSERS[cfg.drafter.proposer](cfg.drafter, tokenizer, policy)
-                                 if K else (None, None))
+    self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer, self.mesh,
+                                    config=cfg.drafter.options)
+                     if cfg.drafter.num_draft_tokens else None)
     self.engine = RolloutEngine(policy, engine_config(cfg, tokenizer.eos_ids), tokenizer,
                                 self.proposer)
     self.sources = [data.Source.parse(s) for s in cfg.data.sources]
@@ -174,8 +139,8 @@ class Trainer:
   def _ckpt_state(self) -> dict:
     state = {**self.learner.state,
              "counters": {k: np.int64(v) for k, v in dataclasses.asdict(self.counters).items()}}
-    if self.draft is not None:
-      state["draft"] = nnx.to_pure_dict(nnx.state(self.draft))
+    if self.proposer is not None and self.proposer.model() is not None:
+      state["draft"] = nnx.to_pure_dict(nnx.state(self.proposer.model()))
     return state
 
   def _meta(self) -> dict:
@@ -184,7 +149,7 @@ class Trainer:
     return {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
                                          "next_request_id": self.step * self.N},
             "model": checkpoint.config_to_json(self.learner.model().cfg),
-            "rollout_memory": self.engine.memory_state()}
+            "proposer_memory": self.proposer.host_state() if self.proposer else {}}
 
   def save(self) -> None:
     self.ckpt.save(self.step, self._ckpt_state(), self.batches, self._meta())
@@ -198,12 +163,13 @@ class Trainer:
                        " run_dir, steps and progress may change on --resume)")
     self.step = int(self.ckpt.latest_step())
     self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
+    drafter = None
     if "draft" in state:
-      self.draft = nnx.merge(nnx.graphdef(self.draft), state.pop("draft"))
-      self.proposer.update_params(self.draft)
+      drafter = nnx.merge(nnx.graphdef(self.proposer.model()), state.pop("draft"))
     self.learner.state = state
-    self.engine.update_params(self.learner.model())
-    self.engine.load_memory_state(meta["rollout_memory"])
+    self.engine.set_weights(self.learner.model(), drafter, version=self.step)
+    if self.proposer is not None:
+      self.proposer.load_host_state(meta["proposer_memory"])
 
   # ------------------------------------------------------------------ one step
 
@@ -252,7 +218,7 @@ class Trainer:
                           self.T, self.tokenizer.pad_id)
     with CompileCounter() as update_compiles:
       learn = self.learner.update(_pad_rows(batch, self.N))
-      self.engine.update_params(self.learner.model())
+      self.engine.set_weights(self.learner.model(), version=self.step + 1)
       jax.block_until_ready(self.learner.state["params"])
     t3 = time.perf_counter()
     self._check_finite(learn)
@@ -269,7 +235,8 @@ class Trainer:
         "spec/acceptance_length": m["acceptance_length"],
         "spec/acceptance_at": m["acceptance_at"],
         "spec/draft_lag_steps": (self.step - self.counters.draft_synced_step
-                                 if self.draft is not None else 0),
+                                 if self.proposer is not None
+                                 and self.proposer.model() is not None else 0),
         **{f"train/{k}": v for k, v in learn.items()},
         "train/nan_skipped_total": self.counters.nan_skipped,
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,

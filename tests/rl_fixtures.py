@@ -23,7 +23,7 @@ def write_tiny_models(root: str) -> dict[str, str]:
 def tiny_overrides(paths: dict[str, str], run_dir: str, **extra) -> list[str]:
   """Dotted overrides for a seconds-long run on the tiny models."""
   base = {"run_dir": run_dir, "steps": 2, "progress": False,
-          "policy.path": paths["policy"], "drafter.path": paths["draft"],
+          "policy.path": paths["policy"], "drafter.draft_model.path": paths["draft"],
           "rollout.prompts_per_step": 2, "rollout.group_size": 4,
           "rollout.max_prompt_len": 32, "rollout.max_new_tokens": 12,
           "rollout.num_slots": 8, "rollout.num_pages": 64, "rollout.round_budget": 16,

@@ -8,7 +8,7 @@ import torch
 import transformers
 from flax import nnx
 
-from spec_rl_jax.models import hf_io, transformer
+from spec_rl_jax.models import hf_io, layout, transformer
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import PRESETS, get_preset
 from spec_rl_jax.models.kv_cache import ContiguousKVCache
@@ -91,10 +91,10 @@ def test_inference_weight_layouts_match_the_stacked_forward(rows):
   cfg = get_preset("tiny-qwen3").replace(num_layers=3)
   model = init_decoder(cfg, seed=3)
   tokens, pos = _batch(cfg, B=2, T=10)
-  weights = transformer.inference_weights(model, rows)
+  weights = layout.CpuLayerCopies().weights(model, rows)
   H, Dh, D, F = cfg.num_heads, cfg.head_dim, cfg.embed_dim, cfg.mlp_dim
   attn, mlp = weights.layers[1]["attn"], weights.layers[1]["mlp"]
-  input_major = rows >= transformer.INPUT_MAJOR_MIN_ROWS
+  input_major = rows >= layout.INPUT_MAJOR_MIN_ROWS
   assert attn["q"].get_metadata().get("input_major", False) == input_major
   assert attn["q"][...].shape == ((D, H, Dh) if input_major else (H, Dh, D))
   assert attn["o"][...].shape == ((H, Dh, D) if input_major else (D, H, Dh))

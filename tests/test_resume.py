@@ -79,7 +79,7 @@ def test_ngram_rollout_memory_resumes(tmp_path):
   cfg = load_config(None, tiny_overrides(
       models, str(tmp_path / "run"), steps=3, **{
           "drafter.proposer": "ngram", "drafter.num_draft_tokens": 3,
-          "drafter.reference_len": 48, "data.sources": f"[jsonl:{path}]"}))
+          "drafter.ngram.reference_len": 48, "data.sources": f"[jsonl:{path}]"}))
   bar = tqdm(disable=True)
   first = train.Trainer(cfg)
   try:
@@ -87,7 +87,7 @@ def test_ngram_rollout_memory_resumes(tmp_path):
       first.train_step(bar)
     first.save()
     first.ckpt.wait()
-    saved = first.engine.memory_state()
+    saved = first.proposer.host_state()
     straight = first.train_step(bar)  # the uninterrupted step 3
   finally:
     first.close()
@@ -95,11 +95,11 @@ def test_ngram_rollout_memory_resumes(tmp_path):
 
   second = train.Trainer(cfg, resume=True)
   try:
-    assert second.step == 2 and second.engine.memory_state() == saved
+    assert second.step == 2 and second.proposer.host_state() == saved
     resumed = second.train_step(bar)
   finally:
     second.close()
-  assert second.engine.memory_state() == first.engine.memory_state()
+  assert second.proposer.host_state() == first.proposer.host_state()
   assert resumed["spec/acceptance_at"] == straight["spec/acceptance_at"]
   for x, y in zip(jax.tree.leaves(first.learner.state["params"]),
                   jax.tree.leaves(second.learner.state["params"]), strict=True):

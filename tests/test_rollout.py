@@ -122,7 +122,7 @@ def test_pages_return_and_admission_waits(hf_pair):
   reqs = [Request(p, i) for i, p in enumerate(_prompts(6, 96, seed=2, lo=20, hi=40))]
   result = engine.generate(reqs)
   assert len(result.responses) == 6 and result.metrics["admission_waits"] > 0
-  assert engine._pool.num_free == 12
+  assert engine.free_pages == 12
   with pytest.raises(ValueError, match="never fit"):
     _sampling_engine(model, 2, num_pages=3, max_seq_len=64).generate([Request([1] * 10, 0)])
   with pytest.raises(ValueError, match="exceeds max_seq_len"):

@@ -13,7 +13,9 @@ from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig, SeqState
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
-from spec_rl_jax.spec.proposers import make_proposer
+from spec_rl_jax.rollout import buckets
+from spec_rl_jax.rollout.scheduler import Scheduler as _Scheduler
+from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
 from tests import hf_fixtures
 
 V = 96
@@ -40,7 +42,7 @@ def _requests(n=10, seed=0):
 def _engine(target, num_pages, sampling, K=0, proposer=None, **sched):
   cfg = EngineConfig(num_slots=4, page_size=4, num_pages=num_pages, max_seq_len=96,
                      max_new_tokens=40, round_budget=16, sampling=sampling, eos_ids=(11,),
-                     num_draft_tokens=K, seed=3,
+                     max_draft_tokens=K, seed=3,
                      scheduler=SchedulerConfig(**{"grow_tokens": 8, **sched}))
   return RolloutEngine(target, cfg, proposer=proposer)
 
@@ -70,7 +72,7 @@ def test_tight_budget_same_outputs_as_unlimited(target, sampling, policy):
   assert m["preemptions"] > 0 and m["restores"] == m["preemptions"]
   assert m["offloads"] + m["recomputes"] == m["preemptions"]
   assert m["restore_bytes"] == m["offload_bytes"] == (m["offloads"] > 0) * m["offload_bytes"]
-  assert engine._pool.num_free == 24  # nothing leaked
+  assert engine.free_pages == 24  # nothing leaked
   assert 0 < m["slot_utilization"] <= 1
   assert (m["reclaimed_pages"] > 0) == (policy == "kv_aware")
 
@@ -86,31 +88,29 @@ def test_offload_only_and_recompute_only(target):
 
 
 @pytest.mark.parametrize("policy", ["kv_aware", "naive"])
-def test_speculative_rounds_under_tight_budget(target, policy):
+def test_speculative_rounds_under_tight_budget(target, policy, monkeypatch):
   """Draft-model SD: its own KV pools are offloaded with the policy's, and reclaimed
   room is cut behind the rows the last round's rejected drafts wrote. Room a victim
   holds beyond its ``length`` stays behind: an offload copies ``ceil(length / Ps)``
   pages (the draft's pools hold rejected drafts past ``length``)."""
   reqs = _requests(seed=2)
-  draft = make_proposer("draft_model", model=target)
+  draft = DraftModelProposer(DraftModelConfig(), target)
   free = _engine(target, 400, SAMPLED, K=3, proposer=draft).generate(reqs)
   engine = _engine(target, 26, SAMPLED, K=3, proposer=draft, recompute_max_tokens=0,
                    policy=policy, grow_tokens=16)
-  seen, preempt = [], engine._preempt
+  seen, preempt = [], _Scheduler.preempt
 
-  def spy(sched, seq, mode):  # (pages held, pages the KV fills, pages copied)
+  def spy(sched, seq, mode, saved):  # (pages held, pages the KV fills, pages copied)
     held, filled = len(seq.pages), -(-seq.length // engine.config.page_size)
-    bytes0 = engine.stats["offload_bytes"]
-    preempt(sched, seq, mode)
-    seen.append((held, filled, (engine.stats["offload_bytes"] - bytes0)
-                 // engine._page_bytes()))
+    seen.append((held, filled, saved.get("num_pages", 0)))
+    preempt(sched, seq, mode, saved)
 
-  engine._preempt = spy
+  monkeypatch.setattr(_Scheduler, "preempt", spy)
   tight = engine.generate(reqs)
   _same(free, tight)
   m = tight.metrics
   assert m["offloads"] > 0 if policy == "naive" else m["reclaimed_pages"] > 0
-  assert all(copied == filled for _, filled, copied in seen)
+  assert seen and all(copied == filled for _, filled, copied in seen)
   assert m["restore_bytes"] == m["offload_bytes"]
   if policy == "naive":  # room was held and left behind
     assert any(held > filled for held, filled, _ in seen)
@@ -123,42 +123,44 @@ def test_decode_calls_run_only_the_busy_slots_and_page_columns(target, monkeypat
   pages a slot holds) page-table columns; the outputs equal those of an engine that
   never moves rows and runs all ``S`` slots and ``M`` columns (sampled, AR and drafts)."""
   reqs = _requests(seed=1)
-  proposer = lambda: make_proposer("draft_model", model=target) if K else None
-  S, M, shapes, call_shape = 4, 96 // 4, [], RolloutEngine._call_shape
-  monkeypatch.setattr(RolloutEngine, "_call_shape",
-                      lambda self, sched: shapes.append(call_shape(self, sched)) or shapes[-1])
-  narrow = _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs)
-  slots, pages = zip(*shapes)
-  assert {8, 16} <= set(pages) and max(pages) < M
+  proposer = lambda: DraftModelProposer(DraftModelConfig(), target) if K else None
+  S, M = 4, 96 // 4
+  engine = _engine(target, 400, SAMPLED, K=K, proposer=proposer())
+  narrow = engine.generate(reqs)
+  ks, slots, pages = zip(*engine.decode_shapes)
+  assert set(ks) == {K} and {8, 16} <= set(pages) and max(pages) < M
   assert set(slots) == {1, 4} and narrow.metrics["slot_moves"] > 0
-  monkeypatch.setattr(RolloutEngine, "_call_shape", lambda self, sched: (S, M))
-  monkeypatch.setattr(RolloutEngine, "_compact", lambda self, sched: None)
-  _same(narrow, _engine(target, 400, SAMPLED, K=K, proposer=proposer()).generate(reqs))
+  monkeypatch.setattr(buckets, "slot_bucket", lambda num_slots, n: S)  # no moves either
+  monkeypatch.setattr(buckets, "page_bucket", lambda max_pages, held: M)
+  wide = _engine(target, 400, SAMPLED, K=K, proposer=proposer())
+  out = wide.generate(reqs)
+  _same(narrow, out)
+  assert wide.decode_shapes == {(K, S, M)} and out.metrics["slot_moves"] == 0
 
 
 def test_offload_restore_is_bit_identical(target):
-  engine = _engine(target, 64, GREEDY, K=2, proposer=make_proposer("draft_model", model=target))
-  st = engine._state
+  engine = _engine(target, 64, GREEDY, K=2,
+                   proposer=DraftModelProposer(DraftModelConfig(), target))
+  programs, st = engine.programs, engine.state
   rand = lambda x, i: jax.random.normal(jax.random.key(i), x.shape, x.dtype)
   layers = tuple(rand(x, i) for i, x in enumerate(st.cache.layers))
-  prop = st.proposer.replace(layers=tuple(rand(x, 10 + i) for i, x in
-                                          enumerate(st.proposer.layers)))
-  engine._state = st.replace(cache=st.cache.replace(layers=layers), proposer=prop,
-                             length=st.length.at[1].set(17))
+  prop = st.proposer.replace(pools=tuple(rand(x, 10 + i) for i, x in
+                                         enumerate(st.proposer.pools)))
+  st = st.replace(cache=st.cache.replace(layers=layers), proposer=prop,
+                  length=st.length.at[1].set(17))
   src, dst = [5, 9, 2], [40, 41, 63]
-  before = jax.device_get((engine._state.cache.layers, engine._state.proposer.layers))
-  engine._state, row, pools = engine._take_out_fn(engine._state, jnp.int32(1),
-                                                  jnp.asarray(engine._page_ids(src)))
+  ids = lambda p: jnp.asarray(buckets.page_ids(p, 64, engine.config.max_pages_per_slot))
+  before = jax.device_get((st.cache.layers, st.proposer.pools))
+  st, row, pools = programs.take_out(st, jnp.int32(1), ids(src))
   row, pools = jax.device_get((row, pools))
-  assert not bool(engine._state.active[1]) and int(row["length"]) == 17
-  engine._state = engine._put_back_fn(engine._state, jnp.int32(3),
-                                      jnp.asarray(engine._page_ids(dst)), row, pools)
-  after = jax.device_get((engine._state.cache.layers, engine._state.proposer.layers))
+  assert not bool(st.active[1]) and int(row["length"]) == 17
+  st = programs.put_back(st, jnp.int32(3), ids(dst), row, pools)
+  after = jax.device_get((st.cache.layers, st.proposer.pools))
   for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(b[:, :, src], a[:, :, dst])  # bit-identical copies
     keep = np.setdiff1d(np.arange(b.shape[2]), dst)
     np.testing.assert_array_equal(b[:, :, keep], a[:, :, keep])  # nothing else touched
-  assert int(engine._state.length[3]) == 17
+  assert int(st.length[3]) == 17
 
 
 def test_budget_errors(target):
@@ -299,6 +301,6 @@ def test_schedule_replay_reproduces_the_engine(target, policy):
     for k in ("rounds", "device_calls", "preemptions", "offloads", "recomputes",
               "reclaimed_pages", "admission_waits", "recompute_tokens"):
       assert got.get(k, 0) == m[k], k
-    assert got["moved_pages"] * engine._page_bytes() == m["offload_bytes"] + m["restore_bytes"]
+    assert got["moved_pages"] * engine.page_bytes() == m["offload_bytes"] + m["restore_bytes"]
     assert got["slot_utilization"] == pytest.approx(m["slot_utilization"])
-    history += got["finished_lengths"]
+    history += list(got["finished_lengths"])

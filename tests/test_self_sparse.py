@@ -7,7 +7,7 @@ import pytest
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.rollout.types import Request
 from spec_rl_jax.sampling import SamplingParams
-from spec_rl_jax.spec.proposers import make_proposer
+from spec_rl_jax.spec.proposers.self_sparse import SelfSparseConfig, SelfSparseProposer
 from spec_rl_jax.spec.proposers.self_sparse import PageBudget
 from tests import hf_fixtures
 from tests.test_spec import (GREEDY, GREEDY_REQS, _engine, _exact_joint, chi2_quantile,
@@ -27,8 +27,9 @@ def greedy_ar(target):
 
 
 def _sparse(target, reselect=True, **budget):
-  return make_proposer("self_sparse", model=target, budget=PageBudget(**budget),
-                       reselect=reselect)
+  proposer = SelfSparseProposer(SelfSparseConfig(reselect=reselect), target)
+  proposer.budget = PageBudget(**budget)  # a fixed page count: not a config option
+  return proposer
 
 
 @pytest.mark.parametrize("K,reselect", [(2, True), (4, False)])
@@ -66,7 +67,7 @@ def test_self_sparse_sampling_distribution_is_exact(target):
   params = SamplingParams(temperature=1.0, top_k=3)
   prompt = [5, 17, 3, 44, 5, 17, 3, 60, 2, 71, 33, 8, 19, 40]
   engine = _engine(target, _sparse(target, n_sink=1, n_window=1, pages=2), 2, 32,
-                   sampling=params, max_new_tokens=3, reference_len=0, page_size=2,
+                   sampling=params, max_new_tokens=3, page_size=2,
                    num_pages=1200)
   res = engine.generate([Request(prompt, i) for i in range(4000)])
   exact = _exact_joint(target, prompt, params, 3)
@@ -99,7 +100,7 @@ def test_long_context_top_k_selection_greedy_equals_ar(target):
   rng = np.random.default_rng(7)
   reqs = [Request(rng.integers(1, 96, 150).tolist(), i) for i in range(3)]
   kw = dict(sampling=GREEDY, eos_ids=(11,), page_size=4, num_pages=200, max_seq_len=192,
-            max_new_tokens=32, reference_len=0)
+            max_new_tokens=32)
   ar = _engine(target, None, 0, 2, **kw).generate(reqs)
   sd = _engine(target, _sparse(target, reselect=False, n_sink=1, n_window=1,
                                fraction=0.25), 3, 2, **kw).generate(reqs)

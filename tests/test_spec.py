@@ -16,8 +16,9 @@ from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams, process_logits
-from spec_rl_jax.spec.proposers import make_proposer
-from spec_rl_jax.spec.proposers.draft_model import check_tokenizers_match
+from spec_rl_jax.spec.proposers import build_proposer
+from spec_rl_jax.spec.proposers.draft_model import (DraftModelConfig, DraftModelProposer,
+                                                    check_tokenizers_match)
 from spec_rl_jax.spec.verifier import verify
 from tests import hf_fixtures
 
@@ -100,13 +101,13 @@ def models(tmp_path_factory):
 
 
 def _proposer(kind, draft):
-  return (make_proposer("draft_model", model=draft) if kind == "draft_model"
-          else make_proposer("ngram", max_ngram=3))
+  return (DraftModelProposer(DraftModelConfig(), draft) if kind == "draft_model"
+          else build_proposer("ngram", draft, max_ngram=3, reference_len=64))
 
 
 def _engine(target, proposer, K, slots, **kw):
   cfg = dict(num_slots=slots, page_size=8, num_pages=160, max_seq_len=96, max_new_tokens=24,
-             num_draft_tokens=K, reference_len=64 if K else 0)
+             max_draft_tokens=K)
   cfg.update(kw)
   return RolloutEngine(target, EngineConfig(**cfg), proposer=proposer)
 
@@ -143,7 +144,8 @@ def test_greedy_sd_equals_greedy_ar(models, greedy_ar, kind, K):
   assert 0 < m["accepted_tokens"] <= m["drafted_tokens"]
   assert 1.0 < m["acceptance_length"] <= K + 1 and len(m["acceptance_at"]) == K
   assert m["slot_rounds"] < ar.metrics["slot_rounds"]  # fewer target forwards per token
-  assert 0 < m["draft_time_frac"] < 1 and "draft_time_frac" not in ar.metrics
+  assert m["rounds_at_k"] == {K: m["rounds"]} and ar.metrics["rounds_at_k"] == {
+      0: ar.metrics["rounds"]}
 
 
 def _exact_joint(target, prompt, params, depth):
@@ -168,8 +170,8 @@ def test_ngram_sampling_distribution_is_exact(models):
   kind = "ngram"
   params = SamplingParams(temperature=1.0, top_k=3)
   prompt = [5, 17, 3, 44, 5, 17, 3]
-  engine = _engine(target, _proposer(kind, draft), 2, 32, sampling=params, max_new_tokens=3,
-                   reference_len=0)
+  engine = _engine(target, build_proposer("ngram", target, max_ngram=3), 2, 32,
+                   sampling=params, max_new_tokens=3)
   n = 4000
   res = engine.generate([Request(prompt, i, group_id=0) for i in range(n)])
   exact = _exact_joint(target, prompt, params, 3)
@@ -189,7 +191,8 @@ def test_ngram_uses_siblings_and_earlier_rollouts(models):
   call copies the stored rollout) — high acceptance, same tokens."""
   target, _ = models
   greedy = SamplingParams(temperature=0.0)
-  engine = _engine(target, make_proposer("ngram"), 4, 1, sampling=greedy)
+  engine = _engine(target, build_proposer("ngram", target, reference_len=64), 4, 1,
+                   sampling=greedy)
   prompt = [9, 8, 7, 6, 5]
   first = engine.generate([Request(prompt, i, group_id=0) for i in range(3)])
   again = engine.generate([Request(prompt, 10)])
@@ -214,17 +217,19 @@ def test_engine_rejects_mismatched_proposer_setup(models):
   target, draft = models
   with pytest.raises(ValueError, match="needs a proposer"):
     _engine(target, None, 2, 2)
-  small_vocab = make_proposer("draft_model", model=nnx.merge(*nnx.split(draft)))
+  small_vocab = DraftModelProposer(DraftModelConfig(), nnx.merge(*nnx.split(draft)))
   small_vocab.model_config = small_vocab.model_config.replace(vocab_size=V + 1)
   with pytest.raises(ValueError, match="vocab_size"):
     _engine(target, small_vocab, 2, 2)
   with pytest.raises(ValueError, match="unknown proposer"):
-    make_proposer("oracle")
+    build_proposer("oracle", target)
+  with pytest.raises(ValueError, match="max_ngrm"):
+    build_proposer("ngram", target, max_ngrm=3)
 
 
 def test_ngram_proposals_by_hand():
   """Own history, a sibling's history and the reference each supply the continuation."""
-  from spec_rl_jax.spec.proposers.base import DraftContext
+  from spec_rl_jax.spec.proposers.base import DraftContext, ProposerState
   hist = np.zeros((4, 12), np.int32)
   hist[0, :8] = [1, 2, 3, 9, 8, 1, 2, 3]  # own: suffix 1 2 3 seen at 0..2 -> 9 8 1
   hist[1, :4] = [7, 5, 6, 4]  # no own match for "6 4"; sibling slot 2 has "6 4 11 12 13"
@@ -235,10 +240,11 @@ def test_ngram_proposals_by_hand():
   ctx = DraftContext(
       last=jnp.asarray(hist[np.arange(4), [7, 3, 6, 2]]), length=jnp.asarray([7, 3, 6, 2]),
       active=jnp.ones(4, bool), rid=jnp.arange(4), group=jnp.asarray([0, 1, 1, 2]),
-      history=jnp.asarray(hist), reference=jnp.asarray(ref),
-      page_table=jnp.zeros((4, 1), jnp.int32), key=jax.random.key(0), target_params=None,
-      cache=None)
-  drafts, q, _ = make_proposer("ngram", max_ngram=3).propose(None, None, ctx, 3, GREEDY)
+      history=jnp.asarray(hist), page_table=jnp.zeros((4, 1), jnp.int32),
+      key=jax.random.key(0), target_weights=None, cache=None)
+  ngram = build_proposer("ngram", None, max_ngram=3, reference_len=10)
+  state = ProposerState(rows={"reference": jnp.asarray(ref)})
+  drafts, q, _ = ngram.propose(None, state, ctx, 3, GREEDY)
   assert q is None
   assert drafts[0].tolist() == [9, 8, 1]
   assert drafts[1].tolist() == [11, 12, 13]

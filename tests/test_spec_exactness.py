@@ -7,6 +7,7 @@ expected count < 5 pooled) and total variation below 1.5x its expected value und
 null (plus 0.005). A sampler that skips the residual correction fails both.
 """
 
+import dataclasses
 import math
 
 import jax
@@ -22,7 +23,8 @@ from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams, process_logits
 from spec_rl_jax.spec import verifier
-from spec_rl_jax.spec.proposers import make_proposer
+from spec_rl_jax.spec.proposers import Proposer
+from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
 
 V, N_SAMPLES, PROMPT = 8, 20_000, [3, 1, 4, 1, 5]
 
@@ -42,36 +44,30 @@ def _copy(model, scale_final_norm=1.0, zero_embed=False):
   return m
 
 
-class ConstantProposer:
+@dataclasses.dataclass(frozen=True)
+class ConstantConfig:
+  token: int = 0
+
+
+class ConstantProposer(Proposer):
   """Adversarial deterministic drafter: always proposes one (unlikely) token."""
 
-  vocab_size = V
-  reads_other_slots = False
+  name = "constant"
+  Config = ConstantConfig
 
-  def __init__(self, token: int):
-    self.token = token
-
-  def params(self, rows):
-    return None
-
-  def init_state(self, config):
-    return None
-
-  def prefill(self, params, state, tokens, positions, pages):
-    return state
-
-  def propose(self, params, state, ctx, num_draft, sampling):
-    return jnp.full((ctx.last.shape[0], num_draft), self.token, jnp.int32), None, state
+  def propose(self, weights, state, ctx, num_draft, sampling):
+    return (jnp.full((ctx.last.shape[0], num_draft), self.config.token, jnp.int32), None,
+            state)
 
 
 def _proposer(kind, target):
   if kind == "point_mass_unlikely":
     logits = target(jnp.asarray([PROMPT]), jnp.arange(len(PROMPT))[None]).logits[0, -1]
-    return ConstantProposer(int(jnp.argmin(logits)))
+    return ConstantProposer(ConstantConfig(int(jnp.argmin(logits))))
   draft = {"uniform": lambda: _copy(target, zero_embed=True),
            "sharper": lambda: _copy(target, scale_final_norm=3.0),
            "q_equals_p": lambda: target}[kind]()
-  return make_proposer("draft_model", model=draft)
+  return DraftModelProposer(DraftModelConfig(), draft)
 
 
 def _exact(target, params, depth=3):
@@ -91,7 +87,7 @@ def _exact(target, params, depth=3):
 def _sample(target, proposer, params, n=N_SAMPLES):
   engine = RolloutEngine(target, EngineConfig(
       num_slots=256, page_size=8, num_pages=512, max_seq_len=16, max_new_tokens=3,
-      min_prefill_len=8, sampling=params, num_draft_tokens=2), proposer=proposer)
+      min_prefill_len=8, sampling=params, max_draft_tokens=2), proposer=proposer)
   return engine.generate([Request(PROMPT, i) for i in range(n)])
 
 
@@ -175,10 +171,10 @@ def test_sd_logprobs_equal_teacher_forcing_and_rollback_leaves_exact_cache(targe
   rejections the target and draft caches hold exactly the accepted tokens' KV."""
   params = SamplingParams(temperature=1.0)
   draft = _copy(target, scale_final_norm=3.0)
-  proposer = make_proposer("draft_model", model=draft)
+  proposer = DraftModelProposer(DraftModelConfig(), draft)
   engine = RolloutEngine(target, EngineConfig(
       num_slots=1, page_size=8, num_pages=8, max_seq_len=48, max_new_tokens=30,
-      sampling=params, num_draft_tokens=3), proposer=proposer)
+      sampling=params, max_draft_tokens=3), proposer=proposer)
   res = engine.generate([Request(PROMPT, 0)])
   r = res.responses[0]
   assert 0 < res.metrics["accepted_tokens"] < res.metrics["drafted_tokens"]  # rejections
@@ -195,11 +191,11 @@ def test_sd_logprobs_equal_teacher_forcing_and_rollback_leaves_exact_cache(targe
   # KV of every position whose token is committed: 0 .. len(seq) - 2 (the last emitted
   # token's KV is written by the next round, which never came). The draft catches up on
   # its newest position at the start of a round, so it is checked one position less.
-  for model, cache, n in ((target, engine._state.cache, len(seq) - 1),
-                          (draft, engine._state.proposer, len(seq) - 2)):
+  for model, pools, n in ((target, engine.state.cache.layers, len(seq) - 1),
+                          (draft, engine.state.proposer.pools, len(seq) - 2)):
     ref = model(jnp.asarray([seq[:n]]), jnp.arange(n)[None],
                 cache=ContiguousKVCache.init(model.cfg, 1, n)).cache
-    k_pages = cache.layers[0]  # [L, Hk, P, Ps, Dh]; one request: pages 0, 1, ... in order
+    k_pages = pools[0]  # [L, Hk, P, Ps, Dh]; one request: pages 0, 1, ... in order
     Ps = k_pages.shape[3]
     got = k_pages[:, :, : -(-n // Ps)].reshape(k_pages.shape[0], k_pages.shape[1], -1,
                                                k_pages.shape[-1])[:, :, :n]

@@ -52,3 +52,15 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
                                                              "acceptance_length.png"}
   with open(os.path.join(run_dir, "metrics.jsonl")) as f:
     assert all(json.loads(line)["step"] in (1, 2) for line in f)
+
+
+def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path):
+  """A draft model with the policy on a (1, 1, 2) mesh: its weights and KV pools are
+  placed on the policy's mesh (this crashed at the first prefill before)."""
+  run_dir = str(tmp_path / "run")
+  overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": "draft_model",
+                                                 "drafter.num_draft_tokens": 2,
+                                                 "policy.mesh": "[1,1,2]", "steps": 1})
+  assert train.main(overrides)["steps"] == 1
+  (record,) = read_metrics(run_dir)
+  assert record["train/logprob_gap"] < 1e-3 and record["spec/acceptance_length"] >= 1.0

@@ -110,7 +110,7 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
   return {"rounds": rounds, "time": rounds + recomputed / RECOMPUTE_TOKENS_PER_ROUND,
           "device_calls": calls, "moved_pages": moved, "recompute_tokens": recomputed,
           "slot_utilization": busy / max(rounds * num_slots, 1), **dict(sched.stats),
-          "finished_lengths": sched.finished_lengths}
+          "finished_lengths": list(sched.finished_lengths)}
 
 
 def record_lengths(path: str, seeds: Sequence[int], n: int, spans: tuple[int, int],

@@ -98,14 +98,14 @@ def decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps):
   """AR vs self-sparse (budgets x K, per-step vs per-round selection) vs draft model."""
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
-  from spec_rl_jax.spec.proposers import make_proposer
-  from spec_rl_jax.spec.proposers.self_sparse import PageBudget
+  from spec_rl_jax.spec.proposers import build_proposer
+  from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
 
   cfg, dcfg, page_size = policy.cfg, draft.cfg, base["page_size"]
   systems, meta, last = {}, {}, {}
 
   def add(name, K, proposer, frac=None):
-    engine = RolloutEngine(policy, EngineConfig(num_draft_tokens=K, **base), tok, proposer)
+    engine = RolloutEngine(policy, EngineConfig(max_draft_tokens=K, **base), tok, proposer)
 
     def run():  # the same requests every time: the warm-up compiles every path taken
       res = engine.generate([Request(p, j) for j, p in enumerate(ps)])
@@ -117,14 +117,11 @@ def decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps):
   add("ar", 0, None)
   for K in ks:
     for frac in fracs:
-      add(f"sparse_f{frac}_k{K}", K, make_proposer(
-          "self_sparse", model=policy, budget=PageBudget(n_sink=1, n_window=2, fraction=frac)),
-          frac)
+      add(f"sparse_f{frac}_k{K}", K, build_proposer("self_sparse", policy, budget=frac), frac)
   K0 = ks[-1] if quick else 4
-  add(f"sparse_f0.25_k{K0}_step", K0, make_proposer(
-      "self_sparse", model=policy, budget=PageBudget(n_sink=1, n_window=2, fraction=0.25),
-      reselect=True), 0.25)
-  add(f"draft_model_k{K0}", K0, make_proposer("draft_model", model=draft))
+  add(f"sparse_f0.25_k{K0}_step", K0,
+      build_proposer("self_sparse", policy, budget=0.25, reselect=True), 0.25)
+  add(f"draft_model_k{K0}", K0, DraftModelProposer(DraftModelConfig(), draft))
   for fn in systems.values():  # warm-up: compiles (timed runs must not compile)
     fn()
   with CompileCounter() as compiles:
@@ -142,13 +139,12 @@ def decode_part(policy, draft, tok, quick, ps, base, fracs, ks, reps):
            "speedup_vs_ar": res["ratio"][name], "acceptance_length": acc,
            "kv_bytes_per_token": read_per_emitted(kind, cfg, dcfg, ctx, K, acc, frac or 1.0,
                                                   page_size),
-           "mean_response": float(np.mean(lens)), "slot_utilization": m["slot_utilization"],
-           "draft_time_frac": m.get("draft_time_frac")}
+           "mean_response": float(np.mean(lens)), "slot_utilization": m["slot_utilization"]}
     rows.append(row)
     if kind == "sparse" and not name.endswith("_step"):
       curves.setdefault(K, []).append((frac, acc, res["ratio"][name]))
   cols = ["system", "K", "budget", "tokens_per_s", "speedup_vs_ar", "acceptance_length",
-          "kv_bytes_per_token", "mean_response", "slot_utilization", "draft_time_frac"]
+          "kv_bytes_per_token", "mean_response", "slot_utilization"]
   common.print_table(rows, cols)
 
   sparse = [r for r in rows if r["budget"] and not r["system"].startswith("draft")]

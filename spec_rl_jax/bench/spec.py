@@ -94,7 +94,8 @@ def main(argv=None) -> dict:
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
-  from spec_rl_jax.spec.proposers import make_proposer
+  from spec_rl_jax.spec.proposers import build_proposer
+  from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
 
   policy_dir = args.policy or os.path.join(cache_dir(), "policy")
   draft_dir = args.draft or os.path.join(cache_dir(), "draft")
@@ -107,9 +108,8 @@ def main(argv=None) -> dict:
   max_new = 192
   sampling = SamplingParams(temperature=1.0)
   proposers = {
-      "draft_model": lambda: make_proposer("draft_model", model=draft, tokenizer=draft_tok,
-                                           policy_tokenizer=tokenizer),
-      "ngram": lambda: make_proposer("ngram", max_ngram=4),
+      "draft_model": lambda: DraftModelProposer(DraftModelConfig(), draft, draft_tok, tokenizer),
+      "ngram": lambda: build_proposer("ngram", policy, max_ngram=4),
   }
   print(f"machine {common.machine_info()}; B={batch_sizes} K={ks} reps={reps}")
 
@@ -121,8 +121,7 @@ def main(argv=None) -> dict:
     for name, K in [("ar", 0)] + [(p, k) for p in proposers for k in ks]:
       cfg = EngineConfig(num_slots=B, page_size=16, num_pages=B * max_seq // 16,
                          max_seq_len=max_seq, max_new_tokens=max_new, round_budget=max_new,
-                         sampling=sampling, eos_ids=tokenizer.eos_ids, num_draft_tokens=K,
-                         reference_len=0)
+                         sampling=sampling, eos_ids=tokenizer.eos_ids, max_draft_tokens=K)
       engines[f"{name}" + (f"_k{K}" if K else "")] = RolloutEngine(
           policy, cfg, proposer=proposers[name]() if K else None)
     ids = iter(range(10**9))

@@ -9,7 +9,7 @@ weights are stored output-major, as ``nn.Linear`` stores them (``q: [H, Dh, D]``
 ``o: [D, H, Dh]``, ``gate: [F, D]``), with ``in_dims`` metadata: how many trailing dims
 are the input. `project` runs each projection as one 2-D matmul (head dims merged by a
 free reshape), on that layout or on an input-major inference copy
-(`transformer.inference_weights`: ``q: [D, H, Dh]``, ``o: [H, Dh, D]``, ``gate: [D, F]``,
+(`layout.CpuLayerCopies`: ``q: [D, H, Dh]``, ``o: [H, Dh, D]``, ``gate: [D, F]``,
 ``input_major`` metadata). Which layout XLA:CPU reads faster depends on the rows: the
 bench model's projections (12 layers + LM head) on an AMD EPYC (2 cores) took 16.5 vs
 18.5 ms at 1 row output- vs input-major, but 36.4 vs 28.5 at 2 rows, 45.7 vs 33.9 at 8

@@ -58,7 +58,7 @@ class Decoder(nnx.Module):
       hidden_layers: layer indices in ``[0, L)`` whose outputs are returned.
       logits_at: ``[B, n]`` token indices whose logits are computed (e.g. only the
         last prompt token in a prefill); ``None`` = all ``T``.
-      layer_params: per-layer copies of the layer weights (`inference_weights`); the
+      layer_params: per-layer copies of the layer weights (models/layout.py); the
         layers then run as an unrolled loop over them instead of a scan over the
         stacked weights (same math).
     """
@@ -111,79 +111,12 @@ class Decoder(nnx.Module):
 
 
 class Weights(NamedTuple):
-  """A decoder's weights as inference code passes them: the model state, and on CPU
-  per-layer copies of the stacked layer weights (``None`` elsewhere).
-
-  Why: XLA:CPU copies a layer's weights out of the stacked ``[L, ...]`` arrays before
-  each matmul (a scan's dynamic slice, or an unrolled loop's static slice); that copy
-  made decoding 2-3x slower than reading separate per-layer buffers (measured on
-  12 x [768, 3072] layers at batch 1). TPU and GPU read the slice in place, so there the
-  scan (compile time independent of depth) is kept.
-  """
+  """A decoder's weights as inference code passes them: the model state, and
+  optionally per-layer copies of the stacked layer weights (``None``: the layers run
+  as a scan over the stacked weights). models/layout.py chooses per backend."""
 
   state: Any
   layers: tuple[Any, ...] | None
-
-
-# Matmul rows from which the CPU per-layer projections are copied input-major
-# (`layers.project`): on the bench model, 1 row ran 1.12x faster output-major and
-# 2 rows 1.28x faster input-major (8 rows 1.35x, 32 rows 1.25x; AMD EPYC, 2 cores).
-INPUT_MAJOR_MIN_ROWS = 2
-
-
-def inference_weights(model: Decoder, rows: int) -> Weights:
-  """`Weights` of ``model`` for the current backend.
-
-  ``rows``: the matmul rows of the calls that dominate (slots x tokens per slot of a
-  decode step). On CPU the layers get one per-layer copy, its projections laid out
-  input-major from `INPUT_MAJOR_MIN_ROWS` rows on.
-  """
-  layers = None
-  if jax.default_backend() == "cpu":
-    _, stacked = nnx.split(model.layers)
-    input_major = rows >= INPUT_MAJOR_MIN_ROWS
-
-    def copy(var: nnx.Variable, i: int) -> nnx.Variable:
-      value, axes = var[...][i], var.axes[1:]
-      n_in = var.get_metadata().get("in_dims")
-      if not input_major or n_in is None:
-        return var.replace(value, axes=axes)
-      order = tuple(range(value.ndim - n_in, value.ndim)) + tuple(range(value.ndim - n_in))
-      return var.replace(jnp.transpose(value, order), axes=tuple(axes[a] for a in order),
-                         input_major=True)
-
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    layers = tuple(jax.tree.map(lambda v, i=i: copy(v, i), stacked, is_leaf=is_var)
-                   for i in range(model.cfg.num_layers))
-  return Weights(nnx.state(model), layers)
-
-
-# The XLA:CPU option for training programs (forward + backward): YNNPACK runs the
-# elementwise fusions too, which XLA's loop emitter runs ~10x slower in the MLP's
-# backward (a default-policy training step about halves). Decoding loses with it (a
-# speculative round of the default policy/draft pair at batch 1: 3.7 -> 4.7 ms), so it
-# is set per program (`jax.jit(..., compiler_options=...)`), never process-wide.
-_CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
-                         "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
-
-
-def training_compiler_options() -> dict[str, str] | None:
-  """``compiler_options`` for jitted training steps on the current backend."""
-  return dict(_CPU_TRAINING_OPTIONS) if jax.default_backend() == "cpu" else None
-
-
-# The XLA:CPU option for inference programs: YNNPACK runs each dot on its own. By
-# default XLA hands YNNPACK whole subgraphs (a layer's dots with the elementwise ops and
-# reductions between them, across layers), which it runs much slower once a dot has
-# more than a few rows: the bench model's 12 layers of projections took 86.9 -> 58.4 ms
-# at 32 rows and 371.6 -> 162.1 ms at 128 rows, unchanged at 1-8 rows (AMD EPYC, 2 cores).
-_CPU_INFERENCE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
-                          "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-
-
-def inference_compiler_options() -> dict[str, str] | None:
-  """``compiler_options`` for jitted forward-only programs (prefill, decode rounds)."""
-  return dict(_CPU_INFERENCE_OPTIONS) if jax.default_backend() == "cpu" else None
 
 
 def apply(graphdef: nnx.GraphDef, weights: Weights, tokens: jax.Array, positions: jax.Array,

@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.attention import NoCache
-from spec_rl_jax.models.transformer import Decoder, training_compiler_options
+from spec_rl_jax.models.layout import training_compiler_options
+from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import losses
 
 # Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).

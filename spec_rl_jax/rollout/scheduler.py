@@ -59,6 +59,8 @@ from spec_rl_jax.rollout.paged_cache import PagePool
 
 
 # Counters every rollout reports (RolloutResult.metrics), zero when nothing happened.
+LENGTH_HISTORY = 1024  # latest finished response lengths the length model uses
+
 SCHEDULER_STATS = ("admission_waits", "reclaimed_pages", "preemptions", "offloads",
                    "recomputes", "restores", "offload_bytes", "restore_bytes",
                    "recompute_tokens", "slot_moves")
@@ -178,20 +180,21 @@ POLICIES: dict[str, Policy] = {
 
 
 class Scheduler:
-  """Host bookkeeping of one `RolloutEngine.generate` call: the request queue, running
-  and preempted sequences, free slots and the page pool. The engine executes the
-  decisions on the device (preempt, grow, restore, admit, in that order) and reports
-  lengths and finished slots back."""
+  """Host bookkeeping of a rollout engine: the request queue (``submit``), running and
+  preempted sequences, free slots and the page pool. The engine executes the decisions
+  on the device (preempt, grow, restore, admit, in that order) and reports lengths and
+  finished slots back. ``finished_lengths`` keeps the latest `LENGTH_HISTORY` response
+  lengths (seeded with ``length_history``): the length model of `expected_peak`."""
 
   def __init__(self, config: SchedulerConfig, pool: PagePool, num_slots: int,
-               round_tokens: int, requests, max_tokens: Callable[[Any], int],
+               round_tokens: int, requests: Sequence[Any], max_tokens: Callable[[Any], int],
                length_history: Sequence[int] = ()):
     if config.policy not in POLICIES:
       raise ValueError(f"unknown scheduler policy {config.policy!r}; registered:"
                        f" {sorted(POLICIES)}")
     self.config, self.pool, self.policy = config, pool, POLICIES[config.policy]
-    self.round_tokens = round_tokens  # K + 1: KV written by one round
-    self.queue = collections.deque(requests)
+    self.round_tokens = round_tokens  # K_max + 1: the most KV one round writes
+    self.queue: collections.deque[Any] = collections.deque(requests)
     self.preempted: collections.deque[SeqState] = collections.deque()
     self.running: dict[int, SeqState] = {}
     self.free_slots = list(range(num_slots))
@@ -199,16 +202,19 @@ class Scheduler:
     self._ticks = itertools.count()
     self.watermark_pages = int(config.watermark * pool.num_pages)
     self.stats = collections.Counter()
-    self._length_history = list(length_history)  # finished in earlier calls
-    self.finished_lengths: list[int] = []  # response lengths finished in this call
-    self._sorted_lengths: np.ndarray | None = None  # both, sorted (`expected_peak`)
+    self.finished_lengths: collections.deque[int] = collections.deque(length_history,
+                                                                      maxlen=LENGTH_HISTORY)
+    self._sorted_lengths: np.ndarray | None = None  # finished_lengths sorted (`expected_peak`)
+
+  def submit(self, requests) -> None:
+    self.queue.extend(requests)
 
   def busy(self) -> bool:
     return bool(self.queue or self.preempted or self.running)
 
   def num_known_lengths(self) -> int:
-    """Response lengths `expected_peak` models on (earlier calls' and this one's)."""
-    return len(self._length_history) + len(self.finished_lengths)
+    """Response lengths `expected_peak` models on."""
+    return len(self.finished_lengths)
 
   def pages_for(self, tokens: int) -> int:
     return self.pool.pages_for(tokens)
@@ -244,7 +250,7 @@ class Scheduler:
     Ps = self.pool.page_size
     t = np.arange(0, int((cap - length).max()) + Ps, Ps)[:, None]  # [T, 1]
     if self._sorted_lengths is None:  # sorted once per finish, not per admission check
-      self._sorted_lengths = np.sort(self._length_history + self.finished_lengths)
+      self._sorted_lengths = np.sort(np.asarray(self.finished_lengths, np.int64))
     lens = self._sorted_lengths
     above = lambda x: len(lens) - np.searchsorted(lens, x, side="right")  # #{len > x}
     alive_now = above(done)  # [n]

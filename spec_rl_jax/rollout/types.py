@@ -36,8 +36,7 @@ class EngineConfig:
   sampling: SamplingParams = SamplingParams()
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
-  num_draft_tokens: int = 0  # K: drafts per speculative round; 0 = plain AR
-  reference_len: int = 0  # R: tokens of earlier rollouts of a prompt kept per slot (ngram)
+  max_draft_tokens: int = 0  # K_max: the most drafts a round may propose; 0 = plain AR
   scheduler: SchedulerConfig = SchedulerConfig()  # page growth, admission, preemption
 
   def __post_init__(self):
@@ -49,8 +48,8 @@ class EngineConfig:
     for name in ("num_slots", "page_size", "num_pages", "round_budget", "min_prefill_len"):
       if getattr(self, name) <= 0:
         raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-    if self.num_draft_tokens < 0 or self.reference_len < 0:
-      raise ValueError("num_draft_tokens and reference_len must be >= 0")
+    if self.max_draft_tokens < 0:
+      raise ValueError(f"max_draft_tokens must be >= 0, got {self.max_draft_tokens}")
 
   @property
   def max_pages_per_slot(self) -> int:  # M
@@ -82,6 +81,17 @@ class Response:
   logprobs: np.ndarray  # [n] float32
   policy_logprobs: np.ndarray  # [n] float32
   finish_reason: str  # "eos" | "length"
+  policy_versions: np.ndarray  # [n] int32: weights version (`set_weights`) of each token
+
+
+@dataclasses.dataclass
+class TokenDelta:
+  """Tokens a request produced since the previous `RolloutEngine.step`."""
+
+  request_id: int
+  tokens: list[int]
+  logprobs: np.ndarray  # [m] float32, processed distribution
+  finish_reason: str  # "running" | "eos" | "length"
 
 
 @dataclasses.dataclass
@@ -90,17 +100,16 @@ class RolloutResult:
 
   ``metrics``: ``rounds`` (device rounds), ``slot_rounds`` (active slot-rounds),
   ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
-  speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of slot-rounds
-  whose draft ``i`` was accepted), ``emitted_tokens``, ``prefills``, ``device_calls``,
+  speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of
+  speculative slot-rounds whose draft ``i`` was accepted), ``rounds_at_k`` (device
+  rounds per chosen draft length ``k``), ``resyncs`` (proposer re-prefills after calls
+  with ``k = 0``), ``emitted_tokens``, ``prefills``, ``device_calls``,
   ``admission_waits``, ``wall_s``, ``decode_s`` (seconds in the device loop of rounds,
   dispatch and any compile included; the rest of ``wall_s`` is prefill and host work),
   ``tokens_per_s``, ``slot_utilization`` (busy slot-rounds / (rounds x slots)) and
   ``utilization_trace`` (per device call: ``(rounds, busy fraction)``), the scheduler's
   ``preemptions``, ``offloads``, ``recomputes``, ``restores``, ``offload_bytes``,
-  ``restore_bytes``, ``recompute_tokens`` (rollout/scheduler.py), and with drafting
-  ``draft_time_frac`` (share of a round spent proposing: median propose time over
-  median propose + verify time, 5 alternated timings each on the state after the
-  engine's first rollout).
+  ``restore_bytes``, ``recompute_tokens`` (rollout/scheduler.py).
   """
 
   responses: list[Response]

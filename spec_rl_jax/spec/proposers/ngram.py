@@ -7,7 +7,7 @@ draft (a point mass: ``q(x) = 1``):
   * the sibling responses of the same prompt group (other slots with the same group
     id — GRPO samples several responses per prompt; finished siblings still count
     until their slot is reused),
-  * ``reference``: earlier rollouts of the same prompt, kept by the engine across RL
+  * ``reference``: earlier rollouts of the same prompt, kept by this proposer across RL
     steps and loaded at admission.
 The longest ``n`` wins; ties prefer the own history, then siblings, then references,
 and the most recent occurrence. Continuations that run past a corpus' valid end, and
@@ -22,36 +22,95 @@ costs ``O(max_ngram · S · ((1 + G)·Lh + R))`` integer compares.
 
 from __future__ import annotations
 
-import jax
+import collections
+import dataclasses
+
 import jax.numpy as jnp
+import numpy as np
 
-from spec_rl_jax.rollout.types import EngineConfig
-from spec_rl_jax.spec.proposers.base import DraftContext, register
+from spec_rl_jax.spec.proposers.base import DraftContext, Proposer, ProposerState, register
+
+ROLLOUTS_PER_PROMPT = 4  # earlier rollouts of a prompt kept as references
 
 
-@register("ngram")
-class NGramProposer:
-  """Suffix-match drafting over own history, siblings and earlier rollouts."""
+@dataclasses.dataclass(frozen=True)
+class NGramConfig:
+  """Suffix lengths ``min_ngram..max_ngram``; ``max_siblings`` sibling rows searched;
+  ``reference_len`` (``R``) tokens of earlier rollouts of the prompt (0: none kept)."""
 
+  max_ngram: int = 4
+  min_ngram: int = 1
+  max_siblings: int = 8
+  reference_len: int = 0
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {self.min_ngram},"
+                       f" {self.max_ngram}")
+    if self.max_siblings < 0 or self.reference_len < 0:
+      raise ValueError("max_siblings and reference_len must be >= 0")
+
+
+@register
+class NGramProposer(Proposer):
+  """Suffix-match drafting over own history, siblings and earlier rollouts.
+
+  Host memory: the last `ROLLOUTS_PER_PROMPT` finished sequences (prompt + response)
+  per prompt, newest first; a request's ``reference`` row is read from it at admission
+  and the memory is checkpointed with the run (`host_state`).
+  """
+
+  name = "ngram"
+  Config = NGramConfig
   reads_other_slots = True  # sibling rows are corpora
 
-  def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_siblings: int = 8):
-    if not 1 <= min_ngram <= max_ngram:
-      raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
-    if max_siblings < 0:
-      raise ValueError(f"max_siblings must be >= 0, got {max_siblings}")
-    self.max_ngram, self.min_ngram, self.max_siblings = max_ngram, min_ngram, max_siblings
+  def __init__(self, config: NGramConfig):
+    super().__init__(config)
+    self._memory: dict[tuple[int, ...], collections.deque] = {}
 
-  def params(self, rows):
-    return None
+  def init_state(self, engine_config) -> ProposerState:
+    R = self.config.reference_len
+    if not R:
+      return ProposerState()
+    return ProposerState(rows={"reference": jnp.full((engine_config.num_slots, R), -1,
+                                                      jnp.int32)})
 
-  def init_state(self, config: EngineConfig):
-    return None
+  def request_rows(self, request) -> dict[str, np.ndarray]:
+    """Earlier rollouts of the request's prompt (newest first), ``-1`` separated and
+    padded to ``R``."""
+    R = self.config.reference_len
+    if not R:
+      return {}
+    row = np.full((R,), -1, np.int32)
+    pos = 0
+    for seq in self._memory.get(tuple(request.prompt), ()):
+      take = min(len(seq), R - pos)
+      row[pos:pos + take] = seq[:take]
+      pos += take + 1
+      if pos >= R:
+        break
+    return {"reference": row}
 
-  def prefill(self, params, state, tokens, positions, pages):
-    return state
+  def on_finished(self, request, tokens: list[int]) -> None:
+    if self.config.reference_len:
+      mem = self._memory.setdefault(tuple(request.prompt),
+                                    collections.deque(maxlen=ROLLOUTS_PER_PROMPT))
+      mem.appendleft(list(request.prompt) + list(tokens))
 
-  def propose(self, params, state, ctx: DraftContext, num_draft: int, sampling):
+  def host_state(self) -> dict:
+    """``{"prompts": [...], "rollouts": [[seq, ...], ...]}``, newest first."""
+    prompts = list(self._memory)
+    return {"prompts": [list(p) for p in prompts],
+            "rollouts": [[list(s) for s in self._memory[p]] for p in prompts]}
+
+  def load_host_state(self, state: dict) -> None:
+    self._memory = {tuple(p): collections.deque((list(s) for s in seqs),
+                                                maxlen=ROLLOUTS_PER_PROMPT)
+                    for p, seqs in zip(state.get("prompts", []), state.get("rollouts", []))}
+
+  def propose(self, weights, state: ProposerState, ctx: DraftContext, num_draft: int,
+              sampling):
+    del weights, sampling
     hist, K = ctx.history, num_draft
     S, Lh = hist.shape
     cur = ctx.length  # position of ``last`` in each slot's history
@@ -59,7 +118,7 @@ class NGramProposer:
     # Corpus rows of slot s: [own, up to G siblings] (C = 1 + G), gathered so the cost
     # grows with the group size, not with S. Slots that never held a request of this
     # group sort last and are masked out.
-    G = min(self.max_siblings, S - 1)
+    G = min(self.config.max_siblings, S - 1)
     sibling = (ctx.group[:, None] == ctx.group[None, :]) & (ctx.group[None, :] >= 0) & (
         rows[None, :] != rows[:, None])  # [S, S]
     order = jnp.argsort(jnp.where(sibling, rows[None, :], S + rows[None, :]), axis=1)[:, :G]
@@ -71,25 +130,26 @@ class NGramProposer:
     # sibling rows before their last token (at least one continuation token).
     limit = jnp.where(src_rows == rows[:, None], cur[:, None], ctx.length[src_rows])  # [S, C]
     valid = [src_ok[:, :, None] & (jnp.arange(Lh)[None, None, :] < limit[:, :, None])]
-    R = ctx.reference.shape[1]
+    reference = state.rows["reference"] if self.config.reference_len else None
+    R = 0 if reference is None else reference.shape[1]
     W = max(Lh, R)  # rank bands: own row > siblings > references; later positions first
     ranks = [jnp.where(jnp.arange(1 + G)[None, :, None] == 0, 2 * W, W)
              + jnp.arange(Lh)[None, None, :]]
     if R:  # earlier rollouts of this prompt: lowest rank
-      corpora.append(ctx.reference[:, None, :])
+      corpora.append(reference[:, None, :])
       valid.append(jnp.broadcast_to(jnp.arange(R) < R - 1, (S, 1, R)))
       ranks.append(jnp.arange(R)[None, None, :])
     best = [jnp.full((S,), -1, jnp.int32) for _ in corpora]  # best rank per corpus
     best_at = [jnp.zeros((S,), jnp.int32) for _ in corpora]  # flat index of that match
     match = [v for v in valid]
-    for n in range(1, self.max_ngram + 1):  # incremental: n-gram = (n-1)-gram & one more
+    for n in range(1, self.config.max_ngram + 1):  # incremental: n-gram = (n-1)-gram & one more
       want = jnp.take_along_axis(hist, jnp.maximum(cur - (n - 1), 0)[:, None], axis=1)[:, 0]
       has_suffix = cur >= n - 1
       for c, corpus in enumerate(corpora):
         L = corpus.shape[-1]
         back = jnp.pad(corpus, ((0, 0), (0, 0), (n - 1, 0)), constant_values=-2)[..., :L]
         match[c] = match[c] & (back == want[:, None, None]) & has_suffix[:, None, None]
-        if n < self.min_ngram:
+        if n < self.config.min_ngram:
           continue
         score = jnp.where(match[c], ranks[c], -1).reshape(S, -1)
         top = jnp.max(score, axis=1)

@@ -42,8 +42,7 @@ from flax import nnx, struct
 import kernels_pallas
 from spec_rl_jax.models import transformer
 from spec_rl_jax.models.transformer import Decoder
-from spec_rl_jax.rollout.types import EngineConfig
-from spec_rl_jax.spec.proposers.base import DraftContext, register, sample_drafts
+from spec_rl_jax.spec.proposers.base import DraftContext, Proposer, register, sample_drafts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,34 +140,41 @@ class SparseDraftView:
     return dataclasses.replace(self, **kw)
 
 
-@register("self_sparse")
-class SelfSparseProposer:
+@dataclasses.dataclass(frozen=True)
+class SelfSparseConfig:
+  """The page budget (`PageBudget` with ``fraction = budget``) and whether pages are
+  chosen at every draft step (``reselect``) or once per round."""
+
+  budget: float = 0.25  # fraction of the context's KV pages a draft step reads
+  sinks: int = 1  # first pages always read
+  window: int = 2  # newest pages always read
+  reselect: bool = False
+
+  def page_budget(self) -> PageBudget:
+    return PageBudget(n_sink=self.sinks, n_window=self.window, fraction=self.budget)
+
+
+@register
+class SelfSparseProposer(Proposer):
   """Drafts with the policy itself under a sparse-attention page budget."""
 
-  reads_other_slots = False
+  name = "self_sparse"
+  Config = SelfSparseConfig
 
-  def __init__(self, model: Decoder, budget: PageBudget, reselect: bool = False):
-    self.model_config = model.cfg
-    self._graphdef = nnx.graphdef(model)
-    self.budget = budget
-    self.reselect = reselect
+  def __init__(self, config: SelfSparseConfig, policy: Decoder):
+    super().__init__(config)
+    self.budget = config.page_budget()  # validates the budget before any device work
+    self.model_config = policy.cfg
+    self._graphdef = nnx.graphdef(policy)
 
-  @property
-  def vocab_size(self) -> int:
-    return self.model_config.vocab_size
+  @classmethod
+  def build(cls, config: SelfSparseConfig, policy, tokenizer=None, mesh=None):
+    del tokenizer, mesh
+    return cls(config, policy)
 
-  def params(self, rows):
-    return None  # drafts with the policy's weights (DraftContext.target_params)
-
-  def init_state(self, config: EngineConfig):
-    return None
-
-  def prefill(self, params, state, tokens, positions, pages):
-    return state
-
-  def propose(self, params, state, ctx: DraftContext, num_draft: int, sampling):
-    del params
-    model = functools.partial(transformer.apply, self._graphdef, ctx.target_params)
+  def propose(self, weights, state, ctx: DraftContext, num_draft: int, sampling):
+    del weights  # drafts with the policy's weights (DraftContext.target_weights)
+    model = functools.partial(transformer.apply, self._graphdef, ctx.target_weights)
     cfg, S = self.model_config, ctx.last.shape[0]
     k_pages = ctx.cache.layers[0]
     B = self.budget.size(ctx.page_table.shape[1])
@@ -186,6 +192,6 @@ class SelfSparseProposer:
       return out.cache.layers, out.logits[:, 0]
 
     layers, logits = forward(layers, ctx.last, 0, True)
-    step = lambda layers, x, i: forward(layers, x, i, self.reselect)
+    step = lambda layers, x, i: forward(layers, x, i, self.config.reselect)
     drafts, logprobs, _ = sample_drafts(step, layers, logits, ctx, num_draft, sampling)
     return drafts, logprobs, state
