@@ -29,10 +29,11 @@ GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20)
 
 
-def _peaked(seed, cfg=CFG):
-  """A random decoder with std-0.2 weights: prompt-dependent greedy continuations."""
+def _peaked(seed, cfg=CFG, scale=10.0):
+  """A random decoder with ``0.02 * scale``-std weights: prompt-dependent greedy
+  continuations."""
   model = init_decoder(cfg, seed=seed)
-  nnx.update(model, jax.tree.map(lambda x: 10 * x, nnx.state(model, nnx.Param)))
+  nnx.update(model, jax.tree.map(lambda x: scale * x, nnx.state(model, nnx.Param)))
   return model
 
 
@@ -255,6 +256,10 @@ def test_incremental_api_matches_generate(policy):
 # --------------------------------------------------------------------------- mesh
 
 
+# No top-k here: a near-tie at the k-th logit can flip under rounding and renormalise.
+PLAIN = SamplingParams(temperature=1.0)
+
+
 def _proposers(policy, draft):
   return {"draft_model": lambda: DraftModelProposer(DraftModelConfig(), draft),
           "ngram": lambda: build_proposer("ngram", policy, reference_len=32),
@@ -262,12 +267,19 @@ def _proposers(policy, draft):
 
 
 @pytest.fixture(scope="module")
-def single_device_runs(policy):
-  draft = _peaked(4, CFG.replace(num_layers=1))
+def mesh_policy():
+  """Less peaked than `policy`: with std-0.2 weights the rounding differences of
+  sharded sums grow through the layers to ~4e-4 in a logprob."""
+  return _peaked(3, scale=4.0)
+
+
+@pytest.fixture(scope="module")
+def single_device_runs(mesh_policy):
+  policy, draft = mesh_policy, _peaked(4, CFG.replace(num_layers=1), scale=4.0)
   reqs = _requests(6, seed=5)
   out = {"ar": RolloutEngine(policy, _config(0)).generate(reqs)}
   for name, make in _proposers(policy, draft).items():
-    for sampling in (GREEDY, SAMPLED):
+    for sampling in (GREEDY, PLAIN):
       out[name, sampling.temperature] = RolloutEngine(
           policy, _config(3, sampling=sampling), proposer=make()).generate(reqs)
   return draft, reqs, out
@@ -281,15 +293,15 @@ MESHES = [pytest.param((1, 2, 2), id="1x2x2"),
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
 @pytest.mark.parametrize("name", ["draft_model", "ngram", "self_sparse"])
-def test_drafters_on_the_mesh(policy, single_device_runs, mesh_shape, name):
+def test_drafters_on_the_mesh(mesh_policy, single_device_runs, mesh_shape, name):
   """Policy, drafter weights and every KV pool sharded on the mesh: greedy SD equals
   greedy AR; sampled tokens equal the single-device run's, logprobs to fp32 rounding
-  (sharded matmuls sum partial products in another order; measured up to 4e-5 on these
-  peaked logits), within the 1e-4 of the engine's other logprob tests."""
+  (sharded matmuls sum partial products in another order: up to 4e-5 here, so the
+  1e-4 of the engine's other logprob tests)."""
   draft, reqs, ref = single_device_runs
-  mesh = sharding.make_mesh(mesh_shape)
+  policy, mesh = mesh_policy, sharding.make_mesh(mesh_shape)
   on_mesh = nnx.merge(nnx.graphdef(policy), sharding.device_put_state(nnx.state(policy), mesh))
-  for sampling in (GREEDY, SAMPLED):
+  for sampling in (GREEDY, PLAIN):
     engine = RolloutEngine(on_mesh, _config(3, sampling=sampling),
                            proposer=_proposers(on_mesh, draft)[name]())
     if mesh_shape != (1, 1, 1):
@@ -298,7 +310,7 @@ def test_drafters_on_the_mesh(policy, single_device_runs, mesh_shape, name):
     out = engine.generate(reqs)
     want = ref["ar"] if sampling is GREEDY else ref[name, sampling.temperature]
     assert [r.tokens for r in out.responses] == [r.tokens for r in want.responses]
-    if sampling is SAMPLED:
+    if sampling is PLAIN:
       for x, y in zip(out.responses, want.responses):
         np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-4)
         np.testing.assert_allclose(x.policy_logprobs, y.policy_logprobs, atol=1e-4)
