@@ -34,7 +34,7 @@ from spec_rl_jax.models.transformer import Decoder, Weights
 INPUT_MAJOR_MIN_ROWS = 2
 
 # XLA:CPU, training programs (forward + backward): YNNPACK runs the elementwise fusions
-# too, which XLA's loop emitter runs ~10x slower in the MLP's backward.
+# too, which XLA's loop emitter runs much slower in the MLP's backward.
 _CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                          "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
 # XLA:CPU, forward-only programs: YNNPACK runs each dot on its own; handing it whole
