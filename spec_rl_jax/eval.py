@@ -10,12 +10,15 @@ policy's own sampled responses, the per-token speculative acceptance probability
 reproduces the reference answers, by teacher forcing (`reference_exactness`): seconds
 where generating long responses takes many minutes.
 
-Generation goes through `rollout`: the rollout engine, as in RL.
+Generation goes through one rollout engine (`engine_for`), as in RL; the trainer
+evaluates with its own engine (greedy and sampled requests differ only in their
+per-request temperature).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -40,20 +43,42 @@ from spec_rl_jax.sampling import SamplingParams
 # Shape legend: B batch, T time, V vocab.
 
 
-def rollout(model: Decoder, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-            eos_ids: Sequence[int], params: SamplingParams, seed: int,
-            batch_size: int = 256) -> list[list[int]]:
-  """Response ids per prompt (EOS included when emitted), through the rollout engine
-  (``batch_size`` slots, continuous batching)."""
-  page_size = 16
-  max_seq = -(-(max(map(len, prompts)) + max_new_tokens) // page_size) * page_size
-  slots = min(batch_size, len(prompts))
-  engine = RolloutEngine(model, EngineConfig(
+EVAL_REQUEST_IDS = 1 << 30  # first request id of evaluation requests (RNG streams)
+
+
+def engine_for(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.Source], n: int,
+               seed: int = 0, temperature: float = 1.0,
+               batch_size: int = 256) -> RolloutEngine:
+  """A plain (AR) rollout engine sized for ``n`` held-out records of each source, with
+  ``batch_size`` slots (the trainer evaluates with its own engine instead)."""
+  encoder, page_size = data.SFTEncoder(tokenizer), 16
+  records = [r for s in sources for r in s.held_out(n, seed)]
+  max_new = _max_new_tokens(tokenizer, records)
+  longest = max(len(encoder.prompt_ids(r)) for r in records) + max_new
+  max_seq = -(-longest // page_size) * page_size + page_size
+  slots = min(batch_size, len(records))
+  return RolloutEngine(model, EngineConfig(
       num_slots=slots, page_size=page_size, num_pages=slots * max_seq // page_size,
-      max_seq_len=max_seq + page_size, max_new_tokens=max_new_tokens, sampling=params,
-      eos_ids=tuple(eos_ids), seed=seed))
-  result = engine.generate([Request(list(p), i) for i, p in enumerate(prompts)])
-  return [r.tokens for r in result.responses]
+      max_seq_len=max_seq, max_new_tokens=max_new, sampling=SamplingParams(temperature),
+      eos_ids=tuple(tokenizer.eos_ids), seed=seed), tokenizer)
+
+
+def generate(engine: RolloutEngine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             temperature: float, first_id: int = EVAL_REQUEST_IDS) -> list[list[int] | None]:
+  """Response ids per prompt (EOS included when emitted) at ``temperature`` (0: greedy),
+  at most ``max_new_tokens`` or what the engine leaves; ``None`` for prompts the
+  engine has no room for. Request ids ``first_id + i`` key the draws: an engine with
+  the same seed draws the same numbers at every evaluation."""
+  sampling = dataclasses.replace(engine.config.sampling, temperature=temperature)
+  requests = []
+  for i, p in enumerate(prompts):
+    room = min(max_new_tokens, engine.max_new_tokens_for(len(p)))
+    if room >= 1:
+      requests.append(Request(list(p), first_id + i, room, sampling=sampling))
+  out: list[list[int] | None] = [None] * len(prompts)
+  for r in engine.generate(requests).responses:
+    out[r.request_id - first_id] = r.tokens
+  return out
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -72,31 +97,45 @@ def score(tokenizer: Tokenizer, records, responses) -> list[float]:
   return rewards.batch_rewards(records, texts)
 
 
-def evaluate_source(model: Decoder, tokenizer: Tokenizer, source: data.Source, n: int,
+def evaluate_source(engine: RolloutEngine, tokenizer: Tokenizer, source: data.Source, n: int,
                     k: int, temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
-  """Accuracy on ``n`` held-out records of ``source`` (``k`` samples per prompt)."""
+  """Accuracy on ``n`` held-out records of ``source`` (``k`` samples per prompt), generated
+  by ``engine``; ``skipped`` counts records whose prompt does not fit it."""
   records = source.held_out(n, seed)
   encoder = data.SFTEncoder(tokenizer)
   prompts = [encoder.prompt_ids(r) for r in records]
   max_new = _max_new_tokens(tokenizer, records)
-  eos = tokenizer.eos_ids
-  greedy = score(tokenizer, records,
-                 rollout(model, prompts, max_new, eos, SamplingParams(0.0), seed))
-  sampled = rollout(model, [p for p in prompts for _ in range(k)], max_new, eos,
-                    SamplingParams(temperature), seed + 1)
+  greedy = generate(engine, prompts, max_new, 0.0)
+  kept = [i for i, g in enumerate(greedy) if g is not None]
+  records, prompts = [records[i] for i in kept], [prompts[i] for i in kept]
+  if not kept:
+    return {"n": 0, "skipped": len(greedy), "pass@1_greedy": math.nan,
+            "pass@1_sampled": math.nan, f"pass@{k}": math.nan}
+  greedy_ok = score(tokenizer, records, [greedy[i] for i in kept])
+  sampled = generate(engine, [p for p in prompts for _ in range(k)], max_new, temperature,
+                     EVAL_REQUEST_IDS + len(greedy))
   correct = np.asarray(score(tokenizer, [r for r in records for _ in range(k)], sampled))
   per_prompt = correct.reshape(len(records), k).sum(1)
-  return {"n": len(records), "pass@1_greedy": float(np.mean(greedy)),
+  return {"n": len(records), "skipped": len(greedy) - len(records),
+          "pass@1_greedy": float(np.mean(greedy_ok)),
           "pass@1_sampled": float(correct.mean()),
           f"pass@{k}": float(np.mean([pass_at_k(k, int(c), k) for c in per_prompt]))}
 
 
-def evaluate(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.Source],
+def evaluate(engine: RolloutEngine, tokenizer: Tokenizer, sources: Sequence[data.Source],
              n: int = 200, k: int = 8, temperature: float = 1.0,
              seed: int = 0) -> dict[str, dict[str, float]]:
-  """`evaluate_source` for each source, keyed by `data.source_labels`."""
-  return {label: evaluate_source(model, tokenizer, s, n, k, temperature, seed)
+  """`evaluate_source` for each source with one engine, keyed by `data.source_labels`."""
+  return {label: evaluate_source(engine, tokenizer, s, n, k, temperature, seed)
           for label, s in zip(data.source_labels(sources), sources)}
+
+
+def evaluate_model(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.Source],
+                   n: int = 200, k: int = 8, temperature: float = 1.0,
+                   seed: int = 0) -> dict[str, dict[str, float]]:
+  """`evaluate` with an engine built for ``model`` (`engine_for`)."""
+  engine = engine_for(model, tokenizer, sources, n, seed, temperature)
+  return evaluate(engine, tokenizer, sources, n, k, temperature, seed)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -106,19 +145,21 @@ def _logits(graphdef, state, tokens, valid):
   return nnx.merge(graphdef, state)(tokens, positions, cache=NoCache(valid=valid)).logits
 
 
-def draft_acceptance(draft: Decoder, policy: Decoder, tokenizer: Tokenizer,
-                     source: data.Source, n: int, seed: int = 0) -> dict[str, float]:
-  """Acceptance statistics of ``draft`` for ``policy`` on the policy's samples."""
+def draft_acceptance(engine: RolloutEngine, draft: Decoder, policy: Decoder,
+                     tokenizer: Tokenizer, source: data.Source, n: int,
+                     seed: int = 0) -> dict[str, float]:
+  """Acceptance statistics of ``draft`` for ``policy`` on the policy's temperature-1
+  samples, generated by ``engine`` (which runs ``policy``)."""
   records = source.held_out(n, seed)
   encoder = data.SFTEncoder(tokenizer)
   prompts = [encoder.prompt_ids(r) for r in records]
-  responses = rollout(policy, prompts, _max_new_tokens(tokenizer, records),
-                      tokenizer.eos_ids, SamplingParams(1.0), seed)
-  seqs = [p + r for p, r in zip(prompts, responses)]
+  responses = generate(engine, prompts, _max_new_tokens(tokenizer, records), 1.0)
+  seqs = [p + r for p, r in zip(prompts, responses) if r is not None]
   T = -(-max(map(len, seqs)) // 16) * 16
   tokens = np.full((len(seqs), T), tokenizer.pad_id, np.int32)
   valid = np.zeros((len(seqs), T), bool)
   mask = np.zeros((len(seqs), T), bool)  # positions whose next token is a response token
+  prompts = [p for p, r in zip(prompts, responses) if r is not None]
   for b, (p, s) in enumerate(zip(prompts, seqs)):
     tokens[b, :len(s)], valid[b, :len(s)] = s, True
     mask[b, len(p) - 1:len(s) - 1] = True
@@ -204,17 +245,20 @@ def main(argv: Sequence[str] | None = None) -> None:
   if tokenizer is None:
     raise ValueError(f"{args.model} has no tokenizer")
   sources = [data.Source.parse(s) for s in args.data]
+  engine = (None if args.reference and not args.draft else
+            engine_for(model, tokenizer, sources, args.n, args.seed, args.temperature))
   if args.reference:
     results = {"model": args.model, "reference": {
         label: source_reference_exactness(model, tokenizer, s, args.n, args.seed)
         for label, s in zip(data.source_labels(sources), sources)}}
   else:
     results = {"model": args.model, "accuracy": evaluate(
-        model, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
+        engine, tokenizer, sources, args.n, args.k, args.temperature, args.seed)}
   if args.draft:
     draft, _ = checkpoint.load_model(args.draft)
-    results["draft"] = {label: draft_acceptance(draft, model, tokenizer, s, args.n, args.seed)
-                        for label, s in zip(data.source_labels(sources), sources)}
+    results["draft"] = {
+        label: draft_acceptance(engine, draft, model, tokenizer, s, args.n, args.seed)
+        for label, s in zip(data.source_labels(sources), sources)}
   print(json.dumps(results, indent=2))
   if args.out:
     with open(args.out, "w") as f:

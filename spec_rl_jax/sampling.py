@@ -6,7 +6,8 @@ sampling draws from it; the rejection sampler applies the same function to targe
 draft logits so ``p`` and ``q`` are processed identically.
 
 Greedy is ``temperature == 0``: the processed distribution is a point mass on the
-argmax (ties broken towards the lowest id).
+argmax (ties broken towards the lowest id). The temperature may differ per row (per
+request); top-k and top-p are shared.
 """
 
 from __future__ import annotations
@@ -38,13 +39,21 @@ class SamplingParams:
     return self.temperature == 0
 
 
-def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
-  """``logits[..., V]`` → log-probs ``[..., V]`` of the processed distribution (fp32)."""
+def process_logits(logits: jax.Array, params: SamplingParams,
+                   temperature: jax.Array | None = None) -> jax.Array:
+  """``logits[..., V]`` → log-probs ``[..., V]`` of the processed distribution (fp32).
+
+  ``temperature`` (broadcastable to ``logits.shape[:-1]``, e.g. one per slot) replaces
+  ``params.temperature`` row by row; rows at 0 are greedy. Top-k and top-p are the same
+  for every row (static: they decide the shape of the work).
+  """
   logits = logits.astype(jnp.float32)
-  if params.greedy:
-    top = jnp.argmax(logits, axis=-1)
-    return jnp.where(jax.nn.one_hot(top, logits.shape[-1], dtype=bool), 0.0, NEG_INF)
-  logits = logits / params.temperature
+  t = jnp.broadcast_to(jnp.asarray(params.temperature if temperature is None else temperature,
+                                   jnp.float32), logits.shape[:-1])[..., None]
+  greedy = t == 0
+  top = jnp.argmax(logits, axis=-1)
+  point_mass = jnp.where(jax.nn.one_hot(top, logits.shape[-1], dtype=bool), 0.0, NEG_INF)
+  logits = logits / jnp.where(greedy, 1.0, t)
   V = logits.shape[-1]
   if params.top_k and params.top_k < V:
     kth = jax.lax.top_k(logits, params.top_k)[0][..., -1:]
@@ -58,7 +67,7 @@ def process_logits(logits: jax.Array, params: SamplingParams) -> jax.Array:
     keep_sorted = mass_before < params.top_p
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
     logits = jnp.where(logits < cutoff, NEG_INF, logits)
-  return jax.nn.log_softmax(logits, axis=-1)
+  return jnp.where(greedy, point_mass, jax.nn.log_softmax(logits, axis=-1))
 
 
 CDF_BLOCK = 128  # ids per block of the two-level inverse CDF

@@ -286,7 +286,8 @@ def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = 
     hf_io.save_hf_checkpoint(model, os.path.join(root, name), tokenizer)
     t_eval = time.perf_counter()
     sources = [data.Source.parse(s) for s in cfg.data]
-    accuracy = evaluation.evaluate(model, tokenizer, sources, n=eval_n, k=4) if eval_n else {}
+    accuracy = (evaluation.evaluate_model(model, tokenizer, sources, n=eval_n, k=4)
+                if eval_n else {})
     report["models"][name] = {
         **info, "preset": cfg.model, "data": [s.describe() for s in sources],
         "final_train_metrics": metrics, "accuracy": accuracy,

@@ -116,3 +116,12 @@ def spec_table(state: nnx.State, mesh: Mesh, rules=RULES) -> dict[str, P]:
 def device_put_state(state: Any, mesh: Mesh, rules=RULES):
   """Places a host/device state on ``mesh`` according to its logical axes."""
   return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def mesh_of(tree) -> Mesh | None:
+  """The mesh of a pytree's arrays (``None`` when they sit on one device unsharded)."""
+  for leaf in jax.tree.leaves(tree):
+    s = getattr(leaf, "sharding", None)
+    if isinstance(s, NamedSharding) and s.mesh.size > 1:
+      return s.mesh
+  return None

@@ -267,8 +267,8 @@ class Trainer:
 
   def evaluate(self) -> dict:
     d = self.cfg.data
-    acc = evaluation.evaluate(self.learner.model(), self.tokenizer, self.sources,
-                              n=d.eval_n, k=d.eval_k, seed=d.seed)
+    acc = evaluation.evaluate(self.engine, self.tokenizer, self.sources, n=d.eval_n,
+                              k=d.eval_k, seed=d.seed)
     return {f"eval/{task}/{k}": v for task, res in acc.items() for k, v in res.items()
             if k != "n"}
 

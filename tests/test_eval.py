@@ -31,41 +31,63 @@ def test_pass_at_k_matches_enumeration(n, c, k):
 
 
 def _oracle(tok, records, correct):
-  """A `rollout` that answers each prompt with its reference iff ``correct(i, sample)``."""
+  """A `generate` that answers each prompt with its reference iff ``correct(i, greedy)``."""
   by_prompt = {tuple(tok.encode(r["prompt"] + "\n")): r for r in records}
   counter = itertools.count()
 
-  def rollout(model, prompts, max_new_tokens, eos_ids, params, seed):
+  def generate(engine, prompts, max_new_tokens, temperature, first_id=0):
     out = []
     for p in prompts:
       r, i = by_prompt[tuple(p)], next(counter)
-      text = r["answer"] if correct(i, params.greedy) else "#### -1"
-      out.append(tok.encode(text) + [eos_ids[0]])
+      text = r["answer"] if correct(i, temperature == 0) else "#### -1"
+      out.append(tok.encode(text) + [tok.eos_ids[0]])
     return out
 
-  return rollout
+  return generate
 
 
 def test_scores_follow_the_responses(tok, monkeypatch):
   source = Source.parse("task:arithmetic?max_digits=3")
   records = source.held_out(10, 0)
   # Greedy always right; sampled right on every other call (k=2: one of two per prompt).
-  monkeypatch.setattr(evaluation, "rollout",
+  monkeypatch.setattr(evaluation, "generate",
                       _oracle(tok, records, lambda i, greedy: greedy or i % 2 == 0))
   out = evaluation.evaluate(None, tok, [source], n=10, k=2)["arithmetic"]
-  assert out == {"n": 10, "pass@1_greedy": 1.0, "pass@1_sampled": 0.5, "pass@2": 1.0}
-  monkeypatch.setattr(evaluation, "rollout", _oracle(tok, records, lambda i, greedy: False))
+  assert out == {"n": 10, "skipped": 0, "pass@1_greedy": 1.0, "pass@1_sampled": 0.5,
+                 "pass@2": 1.0}
+  monkeypatch.setattr(evaluation, "generate", _oracle(tok, records, lambda i, greedy: False))
   out = evaluation.evaluate(None, tok, [source], n=10, k=2)["arithmetic"]
   assert out["pass@1_greedy"] == out["pass@1_sampled"] == out["pass@2"] == 0.0
+
+
+def test_one_engine_for_greedy_and_sampled_passes(tok):
+  """`evaluate` runs greedy and sampled requests through the engine it is given (per-request
+  temperature); prompts it has no room for are counted as skipped, not scored."""
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.rollout.types import EngineConfig
+  source = Source.parse("task:arithmetic?max_digits=2")
+  engine = evaluation.engine_for(init_decoder(TINY, seed=0), tok, [source], n=4)
+  out = evaluation.evaluate(engine, tok, [source], n=4, k=2)["arithmetic"]
+  assert out["n"] == 4 and out["skipped"] == 0
+  assert engine.stats["prefills"] >= 2  # the greedy pass, then the sampled one
+  greedy = evaluation.generate(engine, [tok.encode("1+1=")], 8, 0.0)
+  assert greedy == evaluation.generate(engine, [tok.encode("1+1=")], 8, 0.0)
+  # An engine too short for these prompts skips them all.
+  small = RolloutEngine(init_decoder(TINY, seed=0), EngineConfig(
+      num_slots=2, page_size=4, num_pages=8, max_seq_len=8, max_new_tokens=4))
+  out = evaluation.evaluate(small, tok, [source], n=4, k=2)["arithmetic"]
+  assert out["skipped"] == 4 and out["n"] == 0
 
 
 def test_draft_acceptance(tok):
   policy = init_decoder(TINY, seed=0)
   source = Source.parse("task:countdown")
-  same = evaluation.draft_acceptance(policy, policy, tok, source, n=4)
+  engine = evaluation.engine_for(policy, tok, [source], n=4)
+  same = evaluation.draft_acceptance(engine, policy, policy, tok, source, n=4)
   assert same["acceptance_prob"] == pytest.approx(1.0, abs=1e-5)
   assert same["greedy_agreement"] == 1.0
-  other = evaluation.draft_acceptance(init_decoder(TINY, seed=1), policy, tok, source, n=4)
+  other = evaluation.draft_acceptance(engine, init_decoder(TINY, seed=1), policy, tok, source,
+                                      n=4)
   assert 0.0 < other["acceptance_prob"] < 0.999
 
 
@@ -79,8 +101,9 @@ def test_cli_on_a_hf_checkpoint(tok, tmp_path, capsys):
   result = json.loads(out.read_text())
   assert result == json.loads(capsys.readouterr().out)
   acc = result["accuracy"]["arithmetic"]
-  assert set(acc) == {"n", "pass@1_greedy", "pass@1_sampled", "pass@2"} and acc["n"] == 3
-  assert all(0 <= v <= 1 for k, v in acc.items() if k != "n")
+  assert set(acc) == {"n", "skipped", "pass@1_greedy", "pass@1_sampled", "pass@2"}
+  assert acc["n"] == 3 and acc["skipped"] == 0
+  assert all(0 <= v <= 1 for k, v in acc.items() if k not in ("n", "skipped"))
   assert not math.isnan(result["draft"]["arithmetic"]["acceptance_prob"])
 
 

@@ -241,7 +241,7 @@ def test_ngram_proposals_by_hand():
       last=jnp.asarray(hist[np.arange(4), [7, 3, 6, 2]]), length=jnp.asarray([7, 3, 6, 2]),
       active=jnp.ones(4, bool), rid=jnp.arange(4), group=jnp.asarray([0, 1, 1, 2]),
       history=jnp.asarray(hist), page_table=jnp.zeros((4, 1), jnp.int32),
-      key=jax.random.key(0), target_weights=None, cache=None)
+      key=jax.random.key(0), temperature=jnp.zeros(4), target_weights=None, cache=None)
   ngram = build_proposer("ngram", None, max_ngram=3, reference_len=10)
   state = ProposerState(rows={"reference": jnp.asarray(ref)})
   drafts, q, _ = ngram.propose(None, state, ctx, 3, GREEDY)

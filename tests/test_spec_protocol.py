@@ -215,6 +215,35 @@ def test_stacked_layout_matches_the_cpu_layout(policy):
     np.testing.assert_allclose(x.logprobs, y.logprobs, rtol=2e-5, atol=1e-5)
 
 
+# --------------------------------------------------------------------------- sampling
+
+
+def test_per_request_temperature(policy):
+  """Greedy and sampled requests share one engine: each gets the tokens and logprobs an
+  engine with its sampling as the default gives; drafting reads each slot's temperature
+  (greedy requests of a speculative engine equal greedy AR token for token)."""
+  reqs = _requests(6)
+  greedy = RolloutEngine(policy, _config(0)).generate(reqs).responses
+  sampled = RolloutEngine(policy, _config(0, sampling=SAMPLED)).generate(reqs).responses
+  mixed = [dataclasses.replace(r, sampling=GREEDY if i % 2 else None)
+           for i, r in enumerate(reqs)]
+  draft = _peaked(4, CFG.replace(num_layers=1))
+  for K, proposer in ((0, None), (3, DraftModelProposer(DraftModelConfig(), draft))):
+    out = RolloutEngine(policy, _config(K, sampling=SAMPLED), proposer=proposer
+                        ).generate(mixed).responses
+    for i, r in enumerate(out):
+      want = greedy[i] if i % 2 else sampled[i]
+      if i % 2 or not K:  # sampled SD draws other numbers than AR: equal in law only
+        assert r.tokens == want.tokens
+        np.testing.assert_allclose(r.policy_logprobs, want.policy_logprobs, atol=1e-4)
+      if i % 2:
+        assert np.all(r.logprobs == 0.0)  # a point mass on the greedy token
+  engine = RolloutEngine(policy, _config(0, sampling=SAMPLED))
+  with pytest.raises(ValueError, match="only the temperature may vary"):
+    engine.submit([Request([1, 2], 0, sampling=SamplingParams(1.0, top_k=5))])
+  assert not engine.busy()
+
+
 # --------------------------------------------------------------------------- streaming
 
 

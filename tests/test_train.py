@@ -54,13 +54,29 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
     assert all(json.loads(line)["step"] in (1, 2) for line in f)
 
 
-def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path):
+def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path, monkeypatch):
   """A draft model with the policy on a (1, 1, 2) mesh: its weights and KV pools are
-  placed on the policy's mesh (this crashed at the first prefill before)."""
+  placed on the policy's mesh (this crashed at the first prefill before). Evaluation
+  before and after training runs on the trainer's own (speculative) engine: no other
+  engine is built."""
+  built = []
+  init = train.RolloutEngine.__init__
+  monkeypatch.setattr(train.RolloutEngine, "__init__",
+                      lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[-1])
   run_dir = str(tmp_path / "run")
   overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": "draft_model",
                                                  "drafter.num_draft_tokens": 2,
-                                                 "policy.mesh": "[1,1,2]", "steps": 1})
-  assert train.main(overrides)["steps"] == 1
-  (record,) = read_metrics(run_dir)
+                                                 "policy.mesh": "[1,1,2]", "steps": 1,
+                                                 "data.sources": "[task:arithmetic]",
+                                                 "data.eval_n": 3, "data.eval_k": 2})
+  summary = train.main(overrides)
+  assert summary["steps"] == 1 and len(built) == 1
+  for phase in ("eval_before", "eval_after"):
+    ev = summary[phase]
+    assert ev["eval/arithmetic/skipped"] == 0
+    assert 0 <= ev["eval/arithmetic/pass@1_greedy"] <= 1
+  before, record = read_metrics(run_dir)  # eval_before; step 1's metrics and eval_after
+  assert before["step"] == 0 and record["step"] == 1
+  assert record["eval/arithmetic/pass@1_greedy"] == summary["eval_after"][
+      "eval/arithmetic/pass@1_greedy"]
   assert record["train/logprob_gap"] < 1e-3 and record["spec/acceptance_length"] >= 1.0

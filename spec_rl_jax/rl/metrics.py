@@ -54,12 +54,13 @@ class MetricsLogger:
 
 
 def read_metrics(run_dir: str) -> list[dict]:
-  """The logged steps; a resumed run's repeated steps keep their latest record."""
+  """One record per logged step: the records of a step merged (training metrics and an
+  evaluation logged at the same step), a resumed run's repeated values the latest."""
   by_step = {}
   with open(os.path.join(run_dir, METRICS_FILE)) as f:
     for line in f:
       record = json.loads(line)
-      by_step[record["step"]] = record
+      by_step.setdefault(record["step"], {}).update(record)
   return [by_step[s] for s in sorted(by_step)]
 
 

@@ -63,6 +63,7 @@ class SlotState:
   group: jax.Array  # int32: prompt-group id (-1 none)
   num_gen: jax.Array  # int32: tokens generated so far
   max_new: jax.Array  # int32: this request's cap
+  temperature: jax.Array  # fp32: this request's sampling temperature (0: greedy)
   finish: jax.Array  # int32: RUNNING | EOS | LENGTH
   capacity: jax.Array  # int32: KV positions the slot's pages hold (set by the host)
   history: jax.Array  # [S, Lh] int32: prompt + generated tokens by position
@@ -75,8 +76,8 @@ class SlotState:
 
 # The per-slot fields a preempted or moved sequence takes with it (with the proposer's
 # rows; ``capacity`` is the host's).
-ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new", "finish",
-              "history", "out_tok", "out_lp", "out_policy_lp")
+ROW_FIELDS = ("active", "length", "last", "rid", "group", "num_gen", "max_new",
+              "temperature", "finish", "history", "out_tok", "out_lp", "out_policy_lp")
 SLOT_FIELDS = (*ROW_FIELDS, "capacity")  # every [S, ...] field besides the page table
 
 
@@ -133,7 +134,8 @@ class DevicePrograms:
                                 c.max_pages_per_slot),
         proposer=proposer,
         active=jnp.zeros((S,), bool), length=ints(), last=ints(), rid=ints(),
-        group=jnp.full((S,), -1, jnp.int32), num_gen=ints(), max_new=ints(), finish=ints(),
+        group=jnp.full((S,), -1, jnp.int32), num_gen=ints(), max_new=ints(),
+        temperature=jnp.zeros((S,), jnp.float32), finish=ints(),
         capacity=ints(), history=ints(S, self.history_len),
         out_tok=ints(S, N), out_lp=jnp.zeros((S, N), jnp.float32),
         out_policy_lp=jnp.zeros((S, N), jnp.float32), counters=ints(4),
@@ -182,8 +184,9 @@ class DevicePrograms:
     return logits, cache, proposer_state
 
   def _prefill_insert(self, weights, draft_weights, state: SlotState, key, slots, tokens,
-                      lens, pages, rids, groups, rows, max_new):
-    """Prefills ``tokens[n, T]`` into ``slots[n]``, samples each first token.
+                      lens, pages, rids, groups, rows, max_new, temperature):
+    """Prefills ``tokens[n, T]`` into ``slots[n]``, samples each first token at the
+    requests' ``temperature[n]``.
 
     Padding entries carry ``slots = S`` (dropped) and ``lens = 0`` (nothing written);
     ``rows`` are the proposer's per-slot rows of the requests (`Proposer.request_rows`).
@@ -195,7 +198,7 @@ class DevicePrograms:
                                                        tokens, lens, pages)
     n, T = tokens.shape
     first = verify(round_keys(key, rids, lens), jnp.zeros((n, 0), jnp.int32), None,
-                   logits, self.config.sampling)
+                   logits, self.config.sampling, temperature)
     tok = first.tokens[:, 0]
     eos = jnp.asarray(self.config.eos_ids, jnp.int32)
     finish = jnp.where(jnp.isin(tok, eos), EOS, jnp.where(max_new <= 1, LENGTH, RUNNING))
@@ -209,6 +212,7 @@ class DevicePrograms:
         active=put(state.active, finish == RUNNING), length=put(state.length, lens),
         last=put(state.last, tok), rid=put(state.rid, rids), group=put(state.group, groups),
         num_gen=put(state.num_gen, jnp.ones_like(lens)), max_new=put(state.max_new, max_new),
+        temperature=put(state.temperature, temperature),
         finish=put(state.finish, finish), history=put(state.history, hist),
         out_tok=state.out_tok.at[slots, 0].set(tok, mode="drop"),
         out_lp=state.out_lp.at[slots, 0].set(first.logprobs[:, 0], mode="drop"),
@@ -288,7 +292,8 @@ class DevicePrograms:
     if k:
       ctx = DraftContext(last=st.last, length=st.length, active=act, rid=st.rid,
                          group=st.group, history=st.history, page_table=st.cache.page_table,
-                         key=key, target_weights=weights, cache=st.cache)
+                         key=key, temperature=st.temperature, target_weights=weights,
+                         cache=st.cache)
       drafts, draft_lp, proposer_state = self.proposer.propose(
           draft_weights, proposer_state, ctx, k, self.config.sampling)
     inputs = jnp.concatenate([st.last[:, None], drafts], 1)  # [S, k+1]
@@ -296,7 +301,7 @@ class DevicePrograms:
     out = transformer.apply(self.graphdef, weights, inputs, positions, cache=st.cache,
                             hidden_layers=self.hidden_layers if k else ())
     v = verify(round_keys(key, st.rid, st.length + 1), drafts, draft_lp, out.logits,
-               self.config.sampling)
+               self.config.sampling, st.temperature)
 
     # Truncate at the first EOS and at the request's cap.
     i = jnp.arange(k + 1)[None, :]

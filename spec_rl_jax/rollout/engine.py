@@ -17,12 +17,15 @@ recorded in ``Response.policy_versions``.
 
 Before each device call the `SpecController` chooses the draft length ``k``
 (``0..max_draft_tokens``); the device programs (rollout/device.py) are compiled per
-``(k, S_c, M_c)`` (rollout/buckets.py). Proposers that keep a KV cache are re-prefilled
-from the sequences' histories before drafting again after calls with ``k = 0``.
+``(k, S_c, M_c)`` (rollout/buckets.py); their inputs are built from the scheduler's
+sequences by rollout/slot_io.py. Proposers that keep a KV cache are re-prefilled from
+the sequences' histories before drafting again after calls with ``k = 0``.
 
-Sampling randomness is keyed by ``(seed, request_id, position)``, so a response does not
-depend on the slot, the batch, the draft length or the weights' layout it ran with
-(callers give fresh request ids, or a new seed, when they want fresh samples).
+Each request samples at its own temperature (``Request.sampling``; top-k and top-p are
+the engine's). Sampling randomness is keyed by ``(seed, request_id, position)``, so a
+response does not depend on the slot, the batch or the weights' layout it ran with
+(callers give fresh request ids, or a new seed, when they want fresh samples); sampled
+speculative responses also depend on the drafts (the same distribution, other draws).
 """
 
 from __future__ import annotations
@@ -35,29 +38,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from spec_rl_jax import sharding
 from spec_rl_jax.models import layout as layouts
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.transformer import Decoder
-from spec_rl_jax.rollout import buckets
 from spec_rl_jax.rollout.device import RUNNING, DevicePrograms, SlotState
 from spec_rl_jax.rollout.paged_cache import PagePool, page_bytes
-from spec_rl_jax.rollout.scheduler import SCHEDULER_STATS, Scheduler, SeqState
+from spec_rl_jax.rollout.slot_io import SlotIO
+from spec_rl_jax.rollout.scheduler import SCHEDULER_STATS, Scheduler
 from spec_rl_jax.rollout.types import (FINISH_REASONS, EngineConfig, Request, Response,
                                        RolloutResult, TokenDelta)
 from spec_rl_jax.spec.controller import CallShape, CallStats, FixedK, SpecController
 from spec_rl_jax.spec.proposers.base import Proposer
-
-
-def _mesh_of(tree):
-  """The mesh of a pytree's arrays (``None`` when they sit on one device unsharded)."""
-  for leaf in jax.tree.leaves(tree):
-    s = getattr(leaf, "sharding", None)
-    if isinstance(s, NamedSharding) and s.mesh.size > 1:
-      return s.mesh
-  return None
 
 
 class RolloutEngine:
@@ -86,7 +79,7 @@ class RolloutEngine:
     self.config, self.model_config = config, model.cfg
     self.tokenizer, self.proposer = tokenizer, proposer
     self.layout = layouts.for_backend() if layout is None else layout
-    self.mesh = _mesh_of(nnx.state(model)) or sharding.make_mesh((1, 1, 1))
+    self.mesh = sharding.mesh_of(nnx.state(model)) or sharding.make_mesh((1, 1, 1))
     self.version = 0
     self._install(model, proposer.model() if proposer is not None else None)
     self.programs = DevicePrograms(nnx.graphdef(model), model.cfg, config, proposer,
@@ -95,13 +88,14 @@ class RolloutEngine:
     self._key = jax.random.key(config.seed)
     self._pool = PagePool(config.num_pages, config.page_size)
     self._sched = Scheduler(config.scheduler, self._pool, config.num_slots, K + 1, (),
-                            lambda r: len(r.prompt) + self._max_new(r) + K)
+                            lambda r: len(r.prompt) + self._io.max_new(r) + K)
     self._stale: set[int] = set()  # request ids whose proposer state missed positions
     self._num_gen: dict[int, int] = {}  # request id -> tokens generated (host mirror)
     self._versions: dict[int, list[tuple[int, int]]] = {}  # rid -> [(from token, version)]
     self._finished: dict[int, Response] = {}
     self.decode_shapes: set[tuple[int, int, int]] = set()  # (k, S_c, M_c) compiled
     self.stats = collections.Counter()
+    self._io = SlotIO(self.programs, config, proposer, self._sched, self.stats)
     self.rounds_at_k = collections.Counter()
     self._trace: list[tuple[int, float]] = []  # per device call: (rounds, busy fraction)
 
@@ -118,7 +112,7 @@ class RolloutEngine:
                        f" {model.cfg.vocab_size}")
     draft = proposer.model()
     if draft is not None:
-      dmesh, pmesh = _mesh_of(nnx.state(draft)), _mesh_of(nnx.state(model))
+      dmesh, pmesh = sharding.mesh_of(nnx.state(draft)), sharding.mesh_of(nnx.state(model))
       if dmesh is not None and dmesh != pmesh:
         raise ValueError(f"the drafter's weights are on mesh {dict(dmesh.shape)} over"
                          f" other devices than the policy's"
@@ -167,9 +161,6 @@ class RolloutEngine:
 
   # ------------------------------------------------------------------ requests
 
-  def _max_new(self, r: Request) -> int:
-    return self.config.max_new_tokens if r.max_new_tokens is None else r.max_new_tokens
-
   def _validate(self, requests: Sequence[Request]) -> None:
     c, K = self.config, self.config.max_draft_tokens
     ids = [r.request_id for r in requests]
@@ -179,7 +170,7 @@ class RolloutEngine:
     if busy:
       raise ValueError(f"request ids {sorted(busy)[:5]} are still in flight")
     for r in requests:
-      max_new = self._max_new(r)
+      max_new = self._io.max_new(r)
       if not r.prompt:
         raise ValueError(f"request {r.request_id}: empty prompt")
       if not 1 <= max_new <= c.max_new_tokens:
@@ -194,9 +185,23 @@ class RolloutEngine:
       if need > c.num_pages:
         raise ValueError(f"request {r.request_id} needs {need} KV pages but the budget is"
                          f" {c.num_pages} pages (EngineConfig.num_pages): it can never fit")
+      sp = r.sampling
+      if sp is not None and not sp.greedy and (sp.top_k, sp.top_p) != (c.sampling.top_k,
+                                                                       c.sampling.top_p):
+        raise ValueError(f"request {r.request_id}: top_k={sp.top_k}, top_p={sp.top_p} differ"
+                         f" from the engine's (top_k={c.sampling.top_k},"
+                         f" top_p={c.sampling.top_p}); only the temperature may vary per"
+                         " request")
       if max(r.prompt) >= self.model_config.vocab_size or min(r.prompt) < 0:
         raise ValueError(f"request {r.request_id}: token id outside [0,"
                          f" {self.model_config.vocab_size})")
+
+  def max_new_tokens_for(self, prompt_len: int) -> int:
+    """The most new tokens a request with a ``prompt_len``-token prompt may ask for (0:
+    the prompt does not fit)."""
+    c, K = self.config, self.config.max_draft_tokens
+    room = min(c.max_seq_len, c.num_pages * c.page_size) - prompt_len - K
+    return max(0, min(c.max_new_tokens, room))
 
   def submit(self, requests: Sequence[Request]) -> None:
     """Queues ``requests`` (validated first: nothing is queued if one is bad)."""
@@ -216,29 +221,33 @@ class RolloutEngine:
     sched, c = self._sched, self.config
     if not sched.busy():
       return []
+    io, w, dw = self._io, self._weights, self._draft_weights
     for seq, mode in sched.plan_preemptions():
-      self._preempt(seq, mode)
+      self._state = io.preempt(self._state, seq, mode, self.page_bytes())
     sched.grow()
     while (seq := sched.restore_next()) is not None:
-      self._restore(seq)
+      if seq.mode == "recompute":  # re-prefilled with the policy and the proposer
+        self._stale.discard(seq.request.request_id)
+      self._state = io.restore(self._state, w, dw, seq, self.page_bytes())
     admitted = []
     while (seq := sched.admit_next()) is not None:
       admitted.append(seq)
     if admitted:
-      self._prefill(admitted)
-    self._compact()
-    self._push_page_tables()
-    slots, pages = self._call_shape()
+      self._state = io.prefill(self._state, w, dw, self._key, admitted)
+    self._state = io.page_tables(io.compact(self._state))
+    slots, pages = io.call_shape()
     k = self.controller.choose(CallShape(len(sched.running), slots, pages))
     if not 0 <= k <= c.max_draft_tokens:
       raise ValueError(f"controller chose k={k} outside [0, {c.max_draft_tokens}]"
                        " (max_draft_tokens)")
-    if k:
-      self._resync()
+    stale = [q for q in sched.running.values() if q.request.request_id in self._stale]
+    if k and stale:
+      self._state = io.resync(self._state, w, dw, stale)
+      self._stale -= {q.request.request_id for q in stale}
     before = self._device_counters()
     t_call = time.perf_counter()  # the device is idle: the counters were just read
     self._state, rounds = self.programs.decode(
-        self._weights, self._draft_weights, self._state, self._key,
+        w, dw, self._state, self._key,
         jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
         k=k, slots=slots, pages=pages)
     rounds = int(rounds)
@@ -361,145 +370,6 @@ class RolloutEngine:
     reqs = [Request(self.tokenizer.encode(p), first_request_id + i, max_new_tokens)
             for i, p in enumerate(prompts)]
     return [(self.tokenizer.decode(r.tokens), r) for r in self.generate(reqs).responses]
-
-  # ------------------------------------------------------------------ device calls
-
-  def _prefill(self, admitted: list[SeqState]) -> None:
-    c, S = self.config, self.config.num_slots
-    n = buckets.prefill_batch(S, len(admitted))
-    T = buckets.prefill_len(c.min_prefill_len, c.max_seq_len,
-                            max(len(q.request.prompt) for q in admitted))
-    slots = np.full((n,), S, np.int32)
-    tokens = np.zeros((n, T), np.int32)
-    lens, rids = np.zeros((n,), np.int32), np.zeros((n,), np.int32)
-    max_new = np.ones((n,), np.int32)
-    groups = np.full((n,), -1, np.int32)
-    pages = np.zeros((n, c.max_pages_per_slot), np.int32)
-    rows = self._proposer_rows([q.request for q in admitted], n)
-    for i, seq in enumerate(admitted):
-      r = seq.request
-      slots[i], lens[i], rids[i], groups[i] = seq.slot, len(r.prompt), r.request_id, r.group_id
-      max_new[i] = self._max_new(r)
-      tokens[i, T - len(r.prompt):] = r.prompt
-      pages[i, :len(seq.pages)] = seq.pages
-    self.stats["prefills"] += 1
-    self._state = self.programs.prefill(
-        self._weights, self._draft_weights, self._state, self._key,
-        *map(jnp.asarray, (slots, tokens, lens, pages, rids, groups)), rows,
-        jnp.asarray(max_new))
-
-  def _proposer_rows(self, requests: list[Request], n: int):
-    """The proposer's rows for ``requests``, stacked and padded to ``n`` (rows a proposer
-    does not give start as zeros)."""
-    rows = self._state.proposer.rows
-    if not jax.tree.leaves(rows):
-      return rows
-    per = [self.proposer.request_rows(r) for r in requests]
-
-    def stack(name, like):
-      out = np.zeros((n, *like.shape[1:]), like.dtype)
-      for i, p in enumerate(per):
-        if name in p:
-          out[i] = p[name]
-      return jnp.asarray(out)
-
-    return {name: stack(name, like) for name, like in rows.items()}
-
-  def _resync(self) -> None:
-    """Re-prefills the proposer state of running sequences that missed positions."""
-    stale = [q for q in self._sched.running.values() if q.request.request_id in self._stale]
-    if not stale:
-      return
-    c = self.config
-    n = buckets.prefill_batch(c.num_slots, len(stale))
-    slots = np.full((n,), c.num_slots, np.int32)
-    slots[:len(stale)] = [q.slot for q in stale]
-    T = buckets.prefill_len(c.min_prefill_len, c.max_seq_len, max(q.length for q in stale))
-    self._state = self.programs.resync(self._weights, self._draft_weights, self._state,
-                                       jnp.asarray(slots), T=T)
-    self._stale -= {q.request.request_id for q in stale}
-    self.stats["resyncs"] += len(stale)
-
-  def _push_page_tables(self) -> None:
-    """The running sequences' page ids and capacities, host -> device."""
-    c = self.config
-    table = np.zeros((c.num_slots, c.max_pages_per_slot), np.int32)
-    capacity = np.zeros((c.num_slots,), np.int32)
-    for slot, seq in self._sched.running.items():
-      table[slot, :len(seq.pages)] = seq.pages
-      capacity[slot] = len(seq.pages) * c.page_size
-    sh = self.programs.state_sharding
-    self._state = self._state.replace(
-        cache=self._state.cache.replace(page_table=jax.device_put(table, sh.cache.page_table)),
-        capacity=jax.device_put(capacity, sh.capacity))
-
-  def _narrow_slots(self) -> bool:
-    """Whether a call may run only the busy leading slots (not when drafts read other
-    slots' rows: finished siblings would vanish)."""
-    return self.proposer is None or not self.proposer.reads_other_slots
-
-  def _compact(self) -> None:
-    """Moves running rows into the lowest free slots when that shrinks the next call's
-    ``S_c``."""
-    sched, S = self._sched, self.config.num_slots
-    if not self._narrow_slots() or not sched.running:
-      return
-    if buckets.slot_bucket(S, len(sched.running)) >= buckets.slot_bucket(S, max(sched.running) + 1):
-      return
-    moves = sched.compact()
-    src, dst = np.full((2, min(buckets.pow2(len(moves)), S)), S, np.int32)
-    src[:len(moves)], dst[:len(moves)] = zip(*moves)
-    self._state = self.programs.move_rows(self._state, jnp.asarray(src), jnp.asarray(dst))
-
-  def _call_shape(self) -> tuple[int, int]:
-    """``(S_c, M_c)`` of the next decode call: the slots up to the highest running one
-    (all ``S`` for proposers that read other slots) and the most pages a running slot
-    holds, bucketed (rollout/buckets.py)."""
-    c, running = self.config, self._sched.running
-    slots = c.num_slots
-    if self._narrow_slots():
-      slots = buckets.slot_bucket(c.num_slots, max(running, default=0) + 1)
-    held = max((len(seq.pages) for seq in running.values()), default=1)
-    return slots, buckets.page_bucket(c.max_pages_per_slot, held)
-
-  def _page_ids(self, pages: list[int]) -> np.ndarray:
-    return buckets.page_ids(pages, self.config.num_pages, self.config.max_pages_per_slot)
-
-  def _preempt(self, seq: SeqState, mode: str) -> None:
-    """Takes ``seq`` off its slot: its row (and, to offload, the pages its KV fills) to
-    host memory."""
-    written = self._sched.filled_pages(seq) if mode == "offload" else []
-    self._state, row, pools = self.programs.take_out(self._state, jnp.int32(seq.slot),
-                                                     jnp.asarray(self._page_ids(written)))
-    saved = {"row": jax.device_get(row)}
-    if mode == "offload":
-      saved["pools"] = jax.device_get(pools)
-      saved["num_pages"] = len(written)
-      self.stats["offload_bytes"] += len(written) * self.page_bytes()
-    self._sched.preempt(seq, mode, saved)
-
-  def _restore(self, seq: SeqState) -> None:
-    """Puts preempted ``seq`` back on its (new) slot with its (new) pages."""
-    row = seq.saved["row"]
-    if seq.mode == "offload":
-      n = seq.saved["num_pages"]
-      ids = self._page_ids(seq.pages[:n])
-      self._state = self.programs.put_back(self._state, jnp.int32(seq.slot), jnp.asarray(ids),
-                                           row, seq.saved["pools"])
-      self.stats["restore_bytes"] += n * self.page_bytes()
-    else:
-      c, length = self.config, seq.length
-      T = buckets.prefill_len(c.min_prefill_len, c.max_seq_len, length)
-      tokens = np.zeros((1, T), np.int32)
-      tokens[0, T - length:] = row["history"][:length]
-      pages = np.zeros((1, c.max_pages_per_slot), np.int32)
-      pages[0, :len(seq.pages)] = seq.pages
-      self._state = self.programs.recompute(
-          self._weights, self._draft_weights, self._state, jnp.int32(seq.slot),
-          jnp.asarray(tokens), jnp.asarray([length], jnp.int32), jnp.asarray(pages), row)
-      self.stats["recompute_tokens"] += length
-      self._stale.discard(seq.request.request_id)  # re-prefilled with the policy
-    seq.saved, seq.mode = None, ""
 
   # ------------------------------------------------------------------ metrics
 

@@ -33,7 +33,7 @@ class EngineConfig:
   max_new_tokens: int = 256  # response cap (per-request values may be lower)
   round_budget: int = 256  # max decode rounds per device call before returning
   min_prefill_len: int = 16  # smallest prompt-length bucket (buckets double from here)
-  sampling: SamplingParams = SamplingParams()
+  sampling: SamplingParams = SamplingParams()  # requests' default
   eos_ids: tuple[int, ...] = ()
   seed: int = 0
   max_draft_tokens: int = 0  # K_max: the most drafts a round may propose; 0 = plain AR
@@ -58,12 +58,17 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """One prompt to complete. ``request_id`` seeds its RNG stream: keep it unique."""
+  """One prompt to complete. ``request_id`` seeds its RNG stream: keep it unique.
+
+  ``sampling`` (default: the engine's) may change the temperature (0: greedy); top-k and
+  top-p are compiled into the engine's programs and must match its own.
+  """
 
   prompt: Sequence[int]
   request_id: int
   max_new_tokens: int | None = None  # None = the engine's cap
   group_id: int = -1  # requests sharing a prompt (GRPO group); -1 = none
+  sampling: SamplingParams | None = None
 
 
 @dataclasses.dataclass

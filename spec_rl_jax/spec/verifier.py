@@ -48,7 +48,8 @@ def residual_distribution(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array | None,
-           target_logits: jax.Array, params: SamplingParams) -> Verification:
+           target_logits: jax.Array, params: SamplingParams,
+           temperature: jax.Array | None = None) -> Verification:
   """Accept/reject ``draft_tokens[S, K]`` against ``target_logits[S, K+1, V]``.
 
   Args:
@@ -59,10 +60,13 @@ def verify(keys: jax.Array, draft_tokens: jax.Array, draft_logprobs: jax.Array |
     target_logits: ``[S, K+1, V]`` raw target logits at the K+1 verified positions.
     params: sampling parameters applied to the target (the draft's were applied by the
       proposer with the same function).
+    temperature: ``[S]`` per-slot temperatures replacing ``params.temperature`` (0:
+      greedy), or ``None``.
   """
   S, K = draft_tokens.shape
   V = target_logits.shape[-1]
-  logp = process_logits(target_logits, params)  # [S, K+1, V]
+  logp = process_logits(target_logits, params,
+                        None if temperature is None else temperature[:, None])  # [S, K+1, V]
   policy_lp = jax.nn.log_softmax(target_logits.astype(jnp.float32), axis=-1)
   p = jnp.exp(logp)
   x = draft_tokens.astype(jnp.int32)

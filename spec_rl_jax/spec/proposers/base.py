@@ -4,7 +4,8 @@ Glossary (one speculative round of the rollout engine, rollout/device.py):
 
   propose   ``propose(weights, state, ctx, k, sampling) -> (drafts [S, k], q, state)``:
             ``k`` draft tokens per slot and their processed distribution ``q``
-            (``[S, k, V]`` log-probs) or ``None`` for a point mass. ``k`` is chosen by
+            (``[S, k, V]`` log-probs: ``sampling``'s top-k / top-p at each slot's
+            ``ctx.temperature``) or ``None`` for a point mass. ``k`` is chosen by
             the host per decode call (``1 <= k <= K_max``); a call with ``k = 0`` is a
             plain AR round and runs none of the proposer's code.
   verify    the engine's target forward over ``[last, drafts]`` (``k + 1`` positions)
@@ -54,6 +55,7 @@ class DraftContext(NamedTuple):
   history: jax.Array  # [S, Lh] int32: prompt + emitted tokens by position
   page_table: jax.Array  # [S, M] int32: the slot's KV pages (shared by draft caches)
   key: jax.Array  # the engine's base PRNG key
+  temperature: jax.Array  # [S] fp32: the request's sampling temperature (0: greedy)
   target_weights: Any  # the policy's weights (self-drafting proposers read them)
   cache: Any  # the policy's PagedKVCache: positions < ``length`` (read only)
 
@@ -237,7 +239,7 @@ def sample_drafts(step: Callable[[Any, jax.Array, int], tuple[Any, jax.Array]], 
   u = jax.vmap(lambda k: jax.random.uniform(k, (num_draft,)))(keys)  # [S, k]: one per draft
 
   def draw(logits, i):
-    lp = process_logits(logits, sampling)  # [S, V]
+    lp = process_logits(logits, sampling, ctx.temperature)  # [S, V]
     return inverse_cdf(u[:, i], jnp.exp(lp)), lp
 
   x, lp = draw(logits, 0)
