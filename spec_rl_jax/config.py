@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -49,8 +50,17 @@ class PolicyConfig:
 
 def _drafter_post_init(self) -> None:
   _check_choice("drafter.proposer", self.proposer, proposers.registry())
-  if self.num_draft_tokens < 0:
-    raise ConfigError(f"drafter.num_draft_tokens must be >= 0, got {self.num_draft_tokens}")
+  K = self.num_draft_tokens
+  if isinstance(K, str):
+    if K != "auto":
+      raise ConfigError(f"drafter.num_draft_tokens must be an integer >= 0 or 'auto', got"
+                        f" {K!r}")
+    if self.max_draft_tokens < 1:
+      raise ConfigError("drafter.num_draft_tokens=auto needs drafter.max_draft_tokens >= 1,"
+                        f" got {self.max_draft_tokens}")
+  elif not 0 <= K <= self.max_draft_tokens:
+    raise ConfigError(f"drafter.num_draft_tokens must be in [0, drafter.max_draft_tokens ="
+                      f" {self.max_draft_tokens}] or 'auto', got {K}")
 
 
 def _drafter_options(self) -> Any:
@@ -58,21 +68,35 @@ def _drafter_options(self) -> Any:
   return getattr(self, self.proposer)
 
 
-# Speculative rollouts: ``num_draft_tokens`` K (0 = plain AR) drafted by ``proposer``,
-# and one section per registered proposer holding its own frozen ``Config``
+def _drafter_adaptive(self) -> bool:
+  """Whether each decode call's draft length is chosen online (``auto``)."""
+  return self.num_draft_tokens == "auto"
+
+
+def _drafter_k_max(self) -> int:
+  """The most drafts a round may propose (0: plain AR rollouts)."""
+  return self.max_draft_tokens if self.adaptive else self.num_draft_tokens
+
+
+# Speculative rollouts: ``num_draft_tokens`` drafts per round from ``proposer`` (0 = plain
+# AR; ``auto``: each decode call picks 0..``max_draft_tokens``, spec/adaptive.py), and
+# one section per registered proposer holding its own frozen ``Config``
 # (``drafter: {proposer: ngram, num_draft_tokens: 4, ngram: {max_ngram: 4}}``), so a
 # new proposer registers its options without an edit here.
 DrafterConfig = dataclasses.make_dataclass(
     "DrafterConfig",
     [("proposer", str, dataclasses.field(default="draft_model")),
-     ("num_draft_tokens", int, dataclasses.field(default=3))]
+     ("num_draft_tokens", int | str, dataclasses.field(default="auto")),
+     ("max_draft_tokens", int, dataclasses.field(default=4))]
     + [(name, cls.Config, dataclasses.field(default=cls.Config()))
        for name, cls in sorted(proposers.registry().items())],
     frozen=True,
     namespace={"__post_init__": _drafter_post_init, "options": property(_drafter_options),
+               "adaptive": property(_drafter_adaptive), "k_max": property(_drafter_k_max),
                "__module__": __name__,
-               "__doc__": "Speculative rollouts: K drafts per round from ``proposer``;"
-                          " one section of options per registered proposer."})
+               "__doc__": "Speculative rollouts: drafts per round (a fixed K, or ``auto``"
+                          " up to ``max_draft_tokens``) from ``proposer``; one section"
+                          " of options per registered proposer."})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +194,14 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
     if not isinstance(value, Mapping):
       raise ConfigError(f"{name} must be a mapping, got {value!r}")
     return from_dict(kind, value, prefix=f"{name}.")
+  if isinstance(kind, types.UnionType):  # the first arm the value fits
+    for arm in typing.get_args(kind):
+      try:
+        return _coerce(value, arm, name)
+      except ConfigError:
+        pass
+    raise ConfigError(f"{name} must be one of"
+                      f" {' | '.join(a.__name__ for a in typing.get_args(kind))}, got {value!r}")
   if typing.get_origin(kind) is tuple:
     if not isinstance(value, (list, tuple)):
       raise ConfigError(f"{name} must be a list, got {value!r}")

@@ -51,6 +51,7 @@ from spec_rl_jax.rl.rewards import batch_rewards
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
+from spec_rl_jax.spec.adaptive import AdaptiveK
 from spec_rl_jax.spec.proposers import build_proposer
 
 # Shape legend: B prompts per step, G group size, N = B·G responses, T time.
@@ -69,7 +70,7 @@ def ensure_default_models(cfg: TrainConfig) -> None:
   """Trains the built-in defaults into the cache on first use (``python -m
   spec_rl_jax.sft``), so the no-argument run works on a fresh machine."""
   wanted = [cfg.policy.path]
-  if cfg.drafter.num_draft_tokens and cfg.drafter.proposer == "draft_model":
+  if cfg.drafter.k_max and cfg.drafter.proposer == "draft_model":
     wanted.append(cfg.drafter.draft_model.path)
   missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
   if missing:
@@ -79,13 +80,26 @@ def ensure_default_models(cfg: TrainConfig) -> None:
 
 
 def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:
-  r, K = cfg.rollout, cfg.drafter.num_draft_tokens
+  r, K = cfg.rollout, cfg.drafter.k_max
   need = r.max_prompt_len + r.max_new_tokens + K + 1
   return EngineConfig(
       num_slots=r.num_slots, page_size=r.page_size, num_pages=r.num_pages,
       max_seq_len=-(-need // r.page_size) * r.page_size, max_new_tokens=r.max_new_tokens,
       round_budget=r.round_budget, eos_ids=tuple(eos_ids), seed=r.seed, max_draft_tokens=K,
       sampling=SamplingParams(r.temperature, r.top_k, r.top_p))
+
+
+def draft_length_metrics(m: dict, k_max: int) -> dict:
+  """Per step: the fraction of decode rounds at each draft length ``k`` (``spec/k_frac/k``;
+  ``k = 0`` is drafting off) and, for an adaptive controller, its predicted and the
+  realised tokens per slot-round."""
+  rounds = max(m["rounds"], 1)
+  out = {f"spec/k_frac/{k}": m["rounds_at_k"].get(k, 0) / rounds for k in range(k_max + 1)}
+  c = m["controller"]
+  if c.get("slot_rounds"):
+    out["spec/predicted_tokens_per_slot_round"] = c["predicted_tokens"] / c["slot_rounds"]
+    out["spec/realised_tokens_per_slot_round"] = c["realised_tokens"] / c["slot_rounds"]
+  return out
 
 
 @dataclasses.dataclass
@@ -123,9 +137,10 @@ class Trainer:
     self.learner.check_batch_size(self.N)
     self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer, self.mesh,
                                     config=cfg.drafter.options)
-                     if cfg.drafter.num_draft_tokens else None)
-    self.engine = RolloutEngine(policy, engine_config(cfg, tokenizer.eos_ids), tokenizer,
-                                self.proposer)
+                     if cfg.drafter.k_max else None)
+    self.engine = RolloutEngine(
+        policy, engine_config(cfg, tokenizer.eos_ids), tokenizer, self.proposer,
+        AdaptiveK(cfg.drafter.k_max) if cfg.drafter.adaptive else None)
     self.sources = [data.Source.parse(s) for s in cfg.data.sources]
     self.batches = iter(prompt_stream(self.sources, tokenizer, r.prompts_per_step,
                                       cfg.data.seed))
@@ -234,6 +249,7 @@ class Trainer:
         "rollout/tokens_per_s": m["tokens_per_s"],
         "spec/acceptance_length": m["acceptance_length"],
         "spec/acceptance_at": m["acceptance_at"],
+        **draft_length_metrics(m, self.cfg.drafter.k_max),
         "spec/draft_lag_steps": (self.step - self.counters.draft_synced_step
                                  if self.proposer is not None
                                  and self.proposer.model() is not None else 0),

@@ -30,6 +30,10 @@ def test_dotted_overrides_are_typed():
   assert cfg.rollout.group_size == 4 and cfg.progress is False
   assert cfg.data.sources == ("task:countdown", "jsonl:/x.jsonl")
   assert cfg.policy.mesh == (1, 2, 4)
+  auto, fixed = load_config(None), load_config(None, ["drafter.num_draft_tokens=3"])
+  assert (auto.drafter.adaptive, auto.drafter.k_max) == (True, 4)
+  assert (fixed.drafter.adaptive, fixed.drafter.k_max, fixed.drafter.num_draft_tokens) == (
+      False, 3, 3)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -43,6 +47,10 @@ def test_dotted_overrides_are_typed():
     ("rollout.on_long_prompt=truncate", r"\['error', 'skip'\]"),
     ("learner=3", r"learner must be a mapping"),
     ("steps", r"expected section.field=value"),
+    ("drafter.num_draft_tokens=often", r"an integer >= 0 or 'auto', got 'often'"),
+    ("drafter.num_draft_tokens=2.5", r"must be one of int \| str, got 2.5"),
+    ("drafter.max_draft_tokens=0", r"auto needs drafter.max_draft_tokens >= 1"),
+    ("drafter.num_draft_tokens=6", r"in \[0, drafter.max_draft_tokens = 4\] or 'auto', got 6"),
 ])
 def test_bad_overrides(override, message):
   with pytest.raises(ConfigError, match=message):

@@ -17,12 +17,14 @@ def models(tmp_path_factory):
   return write_tiny_models(str(tmp_path_factory.mktemp("models")))
 
 
-@pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", 2), ("self_sparse", 2),
-                                        ("draft_model", 0)])
+@pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", "auto"),
+                                        ("self_sparse", 2), ("draft_model", 0)])
 def test_few_steps_each_proposer(models, tmp_path, proposer, K):
   run_dir = str(tmp_path / "run")
+  K_max = 2 if K == "auto" else K
   overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": proposer,
-                                                 "drafter.num_draft_tokens": K})
+                                                 "drafter.num_draft_tokens": K,
+                                                 "drafter.max_draft_tokens": max(K_max, 2)})
   summary = train.main(overrides)
   assert summary["steps"] == 2
   records = read_metrics(run_dir)
@@ -36,16 +38,23 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
     # (step 1: same params; later steps too, since the engine got the new weights).
     assert r["train/logprob_gap"] < 1e-3
     if K:
-      assert 1.0 <= r["spec/acceptance_length"] <= K + 1
-      assert len(r["spec/acceptance_at"]) == K
+      assert 1.0 <= r["spec/acceptance_length"] <= K_max + 1
+      assert len(r["spec/acceptance_at"]) == K_max
     else:
       assert r["spec/acceptance_length"] == 1.0
+    fractions = [r[f"spec/k_frac/{k}"] for k in range(K_max + 1)]
+    assert sum(fractions) == pytest.approx(1.0)
+    if K == "auto":  # the controller's prediction next to what happened
+      assert r["spec/realised_tokens_per_slot_round"] >= 1.0
+      assert r["spec/predicted_tokens_per_slot_round"] >= 1.0
+    elif K:
+      assert fractions[K] == 1.0
   # Step 1 compiles the decode and gradient programs; their seconds are logged apart.
   for phase in ("rollout", "update"):
     assert 0 < records[0][f"time/{phase}_compile_s"] <= records[0][f"time/{phase}_s"]
   assert all(0 < r["time/rollout_decode_s"] < r["time/rollout_s"] for r in records)
   lag = [r["spec/draft_lag_steps"] for r in records]
-  assert lag == ([1, 2] if proposer == "draft_model" and K else [0, 0])
+  assert lag == ([1, 2] if proposer == "draft_model" and K_max else [0, 0])
   assert load_config(os.path.join(run_dir, "config.yaml")) == load_config(None, overrides)
   assert sorted(os.listdir(os.path.join(run_dir, "ckpt")))[-1] == "2"
   assert {os.path.basename(p) for p in summary["plots"]} == {"reward.png",

@@ -1,8 +1,8 @@
 """RL step time with AR vs speculative rollouts: ``python -m spec_rl_jax.bench.rl``.
 
 The same short GRPO run (a recipe: the CPU default unless ``--config``; no evaluation)
-with AR rollouts (``K = 0``) and with speculative rollouts (``K =
-drafter.num_draft_tokens`` from the recipe's proposer, the draft model by default),
+with AR rollouts (``K = 0``) and with speculative rollouts (``drafter.num_draft_tokens``
+from the recipe's proposer: ``auto``, or a fixed K; the draft model by default),
 measured side by side in one process:
 
   1. **runs** — for each seed, an AR and an SD trainer built from the same
@@ -78,8 +78,9 @@ QUICK = Plan(seeds=(0, 1), steps=3, batches=((2, 4), (8, 4)), lengths=(16, 48),
              sweep_steps=1)
 
 
-def variant(base: TrainConfig, run_dir: str, K: int, seed: int = 0) -> TrainConfig:
-  """``base`` with ``K`` drafts, rollout and data ``seed``, no evaluation, no bar."""
+def variant(base: TrainConfig, run_dir: str, K: int | str, seed: int = 0) -> TrainConfig:
+  """``base`` with ``K`` drafts (or ``auto``), rollout and data ``seed``, no evaluation,
+  no bar."""
   return dataclasses.replace(
       base, run_dir=run_dir, progress=False,
       drafter=dataclasses.replace(base.drafter, num_draft_tokens=K),
@@ -90,7 +91,7 @@ def variant(base: TrainConfig, run_dir: str, K: int, seed: int = 0) -> TrainConf
 def sweep_config(base: TrainConfig, B: int, G: int, L: int) -> TrainConfig:
   """``base`` decoding ``B·G`` responses of ``L`` tokens as one batch."""
   r = base.rollout
-  pages = -(-(r.max_prompt_len + L + base.drafter.num_draft_tokens + 1) // r.page_size)
+  pages = -(-(r.max_prompt_len + L + base.drafter.k_max + 1) // r.page_size)
   N = B * G
   return dataclasses.replace(
       base, rollout=dataclasses.replace(r, prompts_per_step=B, group_size=G,
@@ -105,7 +106,7 @@ def ignore_eos(trainer: Trainer) -> None:
   e = trainer.engine
   trainer.engine = RolloutEngine(trainer.learner.model(),
                                  dataclasses.replace(e.config, eos_ids=()),
-                                 trainer.tokenizer, trainer.proposer)
+                                 trainer.tokenizer, trainer.proposer, e.controller)
 
 
 def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:

@@ -19,9 +19,15 @@ device-loop seconds (``decode_s / rounds``) in AR steps, the n-gram round at the
 as the cost of verification (its drafting is nearly free), the draft model's drafting
 as the rest, and the speedup its acceptance would give with drafting free.
 
-Writes JSON (``summary``: best SD/AR speedup per proposer at each B, the cost model at
-the draft model's best K, ours vs transformers assisted) and a PNG of speedup vs K per
-batch size, the free-drafting ceiling dashed.
+Each proposer also runs with ``auto`` (spec/adaptive.py: the draft length chosen per
+decode call, up to the largest K), and a draining workload (`_draining`: an RL-like
+batch of 2x as many requests as slots with long-tailed lengths) compares AR, every
+fixed K and ``auto`` on rollout time.
+
+Writes JSON (``summary``: best SD/AR speedup per proposer at each B, ``auto`` vs AR and
+vs the best fixed K with its rounds per k, the cost model at the draft model's best K,
+ours vs transformers assisted, and the draining workload's ratios) and a PNG of speedup
+vs K per batch size, the free-drafting ceiling dashed.
 """
 
 from __future__ import annotations
@@ -91,7 +97,6 @@ def main(argv=None) -> dict:
   args = ap.parse_args(argv)
 
   from spec_rl_jax.checkpoint import cache_dir
-  from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
   from spec_rl_jax.spec.proposers import build_proposer
@@ -117,13 +122,10 @@ def main(argv=None) -> dict:
   for B in batch_sizes:
     prompts = _prompts(tokenizer, max(B, MIN_REQUESTS))
     max_seq = -(-(max(map(len, prompts)) + max_new + max(ks)) // 16) * 16
-    engines = {}
-    for name, K in [("ar", 0)] + [(p, k) for p in proposers for k in ks]:
-      cfg = EngineConfig(num_slots=B, page_size=16, num_pages=B * max_seq // 16,
-                         max_seq_len=max_seq, max_new_tokens=max_new, round_budget=max_new,
-                         sampling=sampling, eos_ids=tokenizer.eos_ids, max_draft_tokens=K)
-      engines[f"{name}" + (f"_k{K}" if K else "")] = RolloutEngine(
-          policy, cfg, proposer=proposers[name]() if K else None)
+    cfg = EngineConfig(num_slots=B, page_size=16, num_pages=B * max_seq // 16,
+                       max_seq_len=max_seq, max_new_tokens=max_new, round_budget=max_new,
+                       sampling=sampling, eos_ids=tokenizer.eos_ids)
+    engines = _engines(policy, cfg, proposers, ks)
     ids = iter(range(10**9))
     last, loop = {}, collections.defaultdict(lambda: np.zeros(2))  # (decode_s, rounds)
 
@@ -156,6 +158,9 @@ def main(argv=None) -> dict:
       best_k = max(sp, key=sp.get)
       summary[f"sd_{p}_vs_ar_b{B}"] = sp[best_k]
       summary[f"sd_{p}_best_k_b{B}"] = best_k
+      summary[f"auto_{p}_vs_ar_b{B}"] = res["ratio"][f"{p}_auto"]
+      summary[f"auto_{p}_vs_best_k_b{B}"] = res["ratio"][f"{p}_auto"] / sp[best_k]
+      summary[f"auto_{p}_k_frac_b{B}"] = _k_fractions(last[f"{p}_auto"])
     costs = round_costs({n: float(t / r) for n, (t, r) in loop.items()},
                         {n: m["acceptance_length"] for n, m in last.items()}, ks)
     ceilings[B] = costs["ceiling"]
@@ -171,11 +176,85 @@ def main(argv=None) -> dict:
       summary.update(_hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks,
                                engines, run, rows))
 
+  drain_rows, drain_summary = _draining(policy, tokenizer, proposers, ks, reps, args.quick,
+                                        max_new)
+  rows += drain_rows
+  summary.update(drain_summary)
   common.print_table(rows, ["case", "system", "metric", "value"])
   print("\nsummary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
   result = common.write_results(args.out, "spec", args.quick, summary, rows)
   _plot(curves, ceilings, ks, args.out)
   return result
+
+
+def _engines(policy, cfg, proposers: dict, ks) -> dict:
+  """``ar``, ``{proposer}_k{K}`` for every fixed ``K`` and ``{proposer}_auto`` (the
+  adaptive controller up to ``max(ks)``), all on ``cfg``'s shape."""
+  import dataclasses
+  from spec_rl_jax.rollout.engine import RolloutEngine
+  from spec_rl_jax.spec.adaptive import AdaptiveK
+  engines = {"ar": RolloutEngine(policy, cfg)}
+  for p, make in proposers.items():
+    for k in ks:
+      engines[f"{p}_k{k}"] = RolloutEngine(
+          policy, dataclasses.replace(cfg, max_draft_tokens=k), proposer=make())
+    engines[f"{p}_auto"] = RolloutEngine(
+        policy, dataclasses.replace(cfg, max_draft_tokens=max(ks)), proposer=make(),
+        controller=AdaptiveK(max(ks)))
+  return engines
+
+
+def _k_fractions(metrics: dict) -> dict[int, float]:
+  """The fraction of decode rounds at each draft length of one run."""
+  total = max(sum(metrics["rounds_at_k"].values()), 1)
+  return {k: v / total for k, v in sorted(metrics["rounds_at_k"].items())}
+
+
+def _draining(policy, tokenizer, proposers, ks, reps, quick, max_new) -> tuple[list, dict]:
+  """A rollout batch that drains as an RL step's does: ``S`` slots, ``2S`` requests with
+  long-tailed response lengths (lognormal, median 40 tokens, clipped to 8..max_new; EOS
+  off, so each response has its drawn length) and the trainer's round budget (64). AR,
+  every fixed K and ``auto`` per proposer, alternated; rollout seconds compared."""
+  from spec_rl_jax.rollout.types import EngineConfig, Request
+  from spec_rl_jax.sampling import SamplingParams
+  S = 32 if quick else 64
+  rng = np.random.default_rng(0)
+  lengths = np.clip(np.round(rng.lognormal(np.log(40), 0.8, 2 * S)), 8, max_new).astype(int)
+  prompts = _prompts(tokenizer, 2 * S)
+  max_seq = -(-(max(map(len, prompts)) + max_new + max(ks)) // 16) * 16
+  cfg = EngineConfig(num_slots=S, page_size=16, num_pages=S * max_seq // 16,
+                     max_seq_len=max_seq, max_new_tokens=max_new, round_budget=64,
+                     sampling=SamplingParams(temperature=1.0))
+  engines = _engines(policy, cfg, proposers, ks)
+  ids = iter(range(10**9))
+  last = {}
+
+  def run(name, engine):
+    def go():
+      reqs = [Request(p, next(ids), int(n)) for p, n in zip(prompts, lengths)]
+      last[name] = engine.generate(reqs).metrics
+      return last[name]["emitted_tokens"]
+    return go
+
+  case = f"drain S={S}"
+  print(f"{case}: {2 * S} requests, response lengths median {int(np.median(lengths))},"
+        f" max {lengths.max()}", flush=True)
+  res = common.alternate({n: run(n, e) for n, e in engines.items()}, reps=reps, warmup=1,
+                         baseline="ar")
+  rows = [{"case": case, "system": n, "metric": "speedup_vs_ar", "value": res["ratio"][n]}
+          for n in engines]
+  rows += [{"case": case, "system": n, "metric": "tokens_per_s", "value": res["rate"][n]}
+           for n in engines]
+  summary = {}
+  for p in proposers:
+    fixed = {k: res["ratio"][f"{p}_k{k}"] for k in ks}
+    best = max(fixed, key=fixed.get)
+    auto = res["ratio"][f"{p}_auto"]
+    summary.update({f"drain_auto_{p}_vs_ar": auto, f"drain_{p}_best_fixed_k": best,
+                    f"drain_{p}_best_fixed_vs_ar": fixed[best],
+                    f"drain_auto_{p}_vs_best_fixed": auto / fixed[best],
+                    f"drain_auto_{p}_k_frac": _k_fractions(last[f"{p}_auto"])})
+  return rows, summary
 
 
 def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, rows) -> dict:

@@ -19,8 +19,9 @@ fixed, so the state round-trips without recompiling):
                  sampler (spec/verifier.py), emits 1..k+1 tokens per slot and calls the
                  proposer's ``observe``. Rejected positions are rolled back by length
                  bookkeeping only. The loop stops when a slot finishes and requests wait,
-                 when a slot has no KV room for its next round, when every slot is
-                 idle, or after ``max_rounds``.                one per ``(k, S_c, M_c)``
+                 when a slot has no KV room for its next round, when few enough slots
+                 are active for a smaller slot bucket (``shrink_at``), or after
+                 ``max_rounds``.                                one per ``(k, S_c, M_c)``
   ``resync``     re-prefills the proposer's state from the slots' histories (after
                  calls with ``k = 0``, for proposers that keep a KV cache).
                                                                    one per ``(n, T)``
@@ -358,8 +359,10 @@ class DevicePrograms:
         cache=state.cache.replace(page_table=full.cache.page_table))
 
   def _decode(self, weights, draft_weights, state: SlotState, key, stop_on_finish,
-              max_rounds, *, k: int, slots: int, pages: int):
+              max_rounds, shrink_at, *, k: int, slots: int, pages: int):
     """Runs up to ``max_rounds`` rounds of draft length ``k``; returns ``(state, rounds)``.
+    The loop also stops once at most ``shrink_at`` slots are active (the host then runs
+    the rest in a smaller slot bucket, and may choose another ``k``).
 
     The rounds see the first ``slots`` (``S_c``) slots and their first ``pages``
     (``M_c``) page-table columns only: attention then reads ``S_c * M_c`` pages per
@@ -373,8 +376,8 @@ class DevicePrograms:
     def cond(carry):
       rounds, st, finished = carry
       needs_pages = jnp.any(st.active & (st.length + room > st.capacity))
-      return ((rounds < max_rounds) & jnp.any(st.active) & ~(stop_on_finish & finished)
-              & ~needs_pages)
+      return ((rounds < max_rounds) & (st.active.sum() > shrink_at)
+              & ~(stop_on_finish & finished) & ~needs_pages)
 
     def body(carry):
       rounds, st, finished = carry

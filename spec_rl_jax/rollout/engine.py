@@ -249,9 +249,10 @@ class RolloutEngine:
     self._state, rounds = self.programs.decode(
         w, dw, self._state, self._key,
         jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
-        k=k, slots=slots, pages=pages)
+        jnp.int32(io.shrink_at(slots)), k=k, slots=slots, pages=pages)
     rounds = int(rounds)
     seconds = time.perf_counter() - t_call
+    first_call = (k, slots, pages) not in self.decode_shapes
     self.decode_shapes.add((k, slots, pages))
     self.stats["decode_s"] += seconds
     self.stats["device_calls"] += 1
@@ -260,7 +261,7 @@ class RolloutEngine:
     delta = self._device_counters() - before
     K = max(c.max_draft_tokens, 1)
     self.controller.observe(CallStats(k, slots, pages, rounds, int(delta[0]),
-                                      delta[4:4 + K][:k], seconds))
+                                      delta[4:4 + K][:k], seconds, first_call))
     if rounds:
       self._trace.append((rounds, int(delta[0]) / (rounds * c.num_slots)))
     if k == 0 and self.proposer is not None and self.proposer.catches_up:
@@ -325,6 +326,7 @@ class RolloutEngine:
           np.full(self._state.group.shape, -1, np.int32), self._state.group.sharding))
     before = self._device_counters()
     stats0, k0 = collections.Counter(self.stats), collections.Counter(self.rounds_at_k)
+    control0 = collections.Counter(self.controller.stats)
     sched0 = collections.Counter(self._sched.stats)
     self._trace = []
     done = {r.request_id: r for r in self.drain()}
@@ -334,6 +336,8 @@ class RolloutEngine:
     metrics["rounds_at_k"] = {k: v - k0.get(k, 0) for k, v in self.rounds_at_k.items()
                               if v - k0.get(k, 0)}
     metrics["utilization_trace"] = self._trace
+    metrics["controller"] = {k: v - control0.get(k, 0)
+                             for k, v in self.controller.stats.items()}
     return RolloutResult(responses, metrics)
 
   def stream_text(self, prompt: str, max_new_tokens: int | None = None,

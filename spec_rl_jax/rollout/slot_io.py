@@ -7,8 +7,9 @@ programs (rollout/device.py) and threads the `SlotState` in and out explicitly:
                     proposer rows (`Proposer.request_rows`);
   ``resync``        sequences whose proposer state missed positions → ``resync``;
   ``page_tables``   the running sequences' page ids and KV capacities → device;
-  ``call_shape`` / ``compact``   the next decode call's ``(S_c, M_c)`` bucket, and row
-                    moves that shrink ``S_c``;
+  ``call_shape`` / ``compact`` / ``shrink_at``   the next decode call's ``(S_c, M_c)``
+                    bucket, row moves that shrink ``S_c``, and the active count at which
+                    a call stops because a smaller ``S_c`` would do;
   ``preempt`` / ``restore``      a sequence's row (and, to offload, its pages) to host
                     memory and back, or re-prefilled from its history.
 
@@ -148,6 +149,12 @@ class SlotIO:
       slots = buckets.slot_bucket(c.num_slots, max(running, default=0) + 1)
     held = max((len(seq.pages) for seq in running.values()), default=1)
     return slots, buckets.page_bucket(c.max_pages_per_slot, held)
+
+  def shrink_at(self, slots: int) -> int:
+    """Active slots at or below which a call at ``S_c = slots`` should stop: the rest fit
+    the next smaller slot bucket (0: there is none)."""
+    smaller = slots // 4
+    return smaller if self.narrow_slots() and slots % 4 == 0 and smaller >= 1 else 0
 
   # ---------------------------------------------------------------- preemption
 

@@ -107,7 +107,8 @@ class RolloutResult:
   ``drafted_tokens``, ``accepted_tokens``, ``acceptance_length`` (= 1 + accepted /
   speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of
   speculative slot-rounds whose draft ``i`` was accepted), ``rounds_at_k`` (device
-  rounds per chosen draft length ``k``), ``resyncs`` (proposer re-prefills after calls
+  rounds per chosen draft length ``k``), ``controller`` (the `SpecController`'s own
+  counters over the call), ``resyncs`` (proposer re-prefills after calls
   with ``k = 0``), ``emitted_tokens``, ``prefills``, ``device_calls``,
   ``admission_waits``, ``wall_s``, ``decode_s`` (seconds in the device loop of rounds,
   dispatch and any compile included; the rest of ``wall_s`` is prefill and host work),

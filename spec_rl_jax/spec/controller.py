@@ -11,6 +11,7 @@ seconds), so an adaptive controller can estimate acceptance and round costs onli
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -36,15 +37,18 @@ class CallStats:
   slot_rounds: int  # active slot-rounds
   accepted_at: np.ndarray  # [k]: accepted drafts per position, summed over slot-rounds
   seconds: float  # wall time of the call (dispatch and any compile included)
+  first_call: bool = False  # the engine's first call of this (k, slots, pages): it compiled
 
 
 class SpecController:
-  """Chooses the draft length of each decode call (``0 <= k <= max_draft_tokens``)."""
+  """Chooses the draft length of each decode call (``0 <= k <= max_draft_tokens``);
+  ``stats`` holds the controller's own counters (reported in the engine's metrics)."""
 
   def __init__(self, max_draft_tokens: int):
     if max_draft_tokens < 0:
       raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
     self.max_draft_tokens = max_draft_tokens
+    self.stats = collections.Counter()
 
   def choose(self, shape: CallShape) -> int:
     raise NotImplementedError
