@@ -22,6 +22,7 @@ drafts a round may propose):
           measured runs instead, so costs the model gets wrong are corrected.
 
 Costs come from the engine's own decode calls: nothing is profiled in the rollout path.
+A call runs at most ``max_rounds`` rounds, so a long call cannot hold a stale choice.
 Calls whose timing is not a positive finite number (a clock glitch) update the
 acceptance only and are counted in ``stats["ignored_timings"]``.
 """
@@ -47,14 +48,17 @@ class AdaptiveK(SpecController):
 
   def __init__(self, max_draft_tokens: int, decay: float = 0.8, hysteresis: float = 0.03,
                explore_every: int = 8, draft_cost: float = 0.25,
-               prior_acceptance: float = 0.6, prior_weight: float = 1.0):
+               prior_acceptance: float = 0.6, prior_weight: float = 1.0,
+               max_rounds: int = 32):
     super().__init__(max_draft_tokens)
+    self.max_rounds = max_rounds
     if max_draft_tokens < 1:
       raise ValueError("the adaptive controller needs max_draft_tokens >= 1, got"
                        f" {max_draft_tokens}")
-    if not 0 < decay <= 1 or hysteresis < 0 or explore_every < 1 or draft_cost < 0:
+    if (not 0 < decay <= 1 or hysteresis < 0 or explore_every < 1 or draft_cost < 0
+        or max_rounds < 1):
       raise ValueError("need 0 < decay <= 1, hysteresis >= 0, explore_every >= 1,"
-                       " draft_cost >= 0")
+                       " draft_cost >= 0, max_rounds >= 1")
     K = max_draft_tokens
     self.decay, self.hysteresis, self.explore_every = decay, hysteresis, explore_every
     self.draft_cost = draft_cost
