@@ -66,6 +66,13 @@ def test_a_sudden_acceptance_drop_lowers_k_within_a_few_calls():
   assert c.k == 0
 
 
+def test_explorations_that_change_nothing_grow_rarer():
+  c = AdaptiveK(4, explore_every=4, max_explore_gap=32)
+  _drive(c, 200, alpha=0.9, cost=lambda k: 1.0 + 0.05 * k)
+  # Explorations at calls 4, 8, 16, 32, 64, then every 32 calls.
+  assert c.stats["explored"] == 9
+
+
 def test_bad_timings_are_ignored_and_counted():
   c = AdaptiveK(3)
   _drive(c, 10, alpha=0.9, cost=lambda k: 1.0 + 0.05 * k)
@@ -82,7 +89,7 @@ def test_bad_timings_are_ignored_and_counted():
 def test_unmeasured_shapes_use_the_fitted_cost_model():
   """Costs measured at 8 slots predict another slot bucket through the least-squares
   model: drafting is cheap at 8 slots, expensive at 64 (cost 0.1 + 0.02·S·(k+1))."""
-  c = AdaptiveK(4, explore_every=2)
+  c = AdaptiveK(4, explore_every=2, max_explore_gap=2)
   cost = lambda S: lambda k: 0.1 + 0.02 * S * (k + 1)
   _drive(c, 40, alpha=0.7, cost=cost(2), shape=CallShape(2, 2, 4))
   _drive(c, 40, alpha=0.7, cost=cost(8), shape=SHAPE)
@@ -113,7 +120,7 @@ def test_greedy_exact_while_k_changes_and_the_draft_catches_up():
   copy = nnx.merge(nnx.graphdef(policy), nnx.state(policy))
   engine = RolloutEngine(policy, EngineConfig(**ec, max_draft_tokens=3),
                          proposer=DraftModelProposer(DraftModelConfig(), copy),
-                         controller=AdaptiveK(3, explore_every=2))
+                         controller=AdaptiveK(3, explore_every=2, max_explore_gap=2))
   sd = engine.generate(reqs)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in ar.responses]
   m = sd.metrics

@@ -1,7 +1,6 @@
 """Speculative decoding is lossless: greedy equality and exact sampling distributions,
 for every proposer, through the rollout engine."""
 
-import itertools
 import math
 
 import jax
@@ -47,7 +46,7 @@ def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
 @pytest.mark.parametrize("point_mass", [False, True], ids=["full_q", "point_mass"])
 def test_verifier_position_marginals_are_target(point_mass):
   """Token at position j, given the first j drafts were accepted, follows p_j."""
-  S, K, Vs, n = 1, 3, 6, 40_000
+  K, Vs, n = 3, 6, 40_000
   rng = np.random.default_rng(0)
   target = jnp.asarray(rng.normal(size=(K + 1, Vs)) * 1.5, jnp.float32)
   draft = jnp.asarray(rng.normal(size=(K, Vs)) * 1.5, jnp.float32)
@@ -167,7 +166,6 @@ def test_ngram_sampling_distribution_is_exact(models):
   """Joint law of the first 3 tokens under n-gram SD (K=2) equals the target's
   (chi-square); the draft-model drafters are covered in test_spec_exactness.py."""
   target, draft = models
-  kind = "ngram"
   params = SamplingParams(temperature=1.0, top_k=3)
   prompt = [5, 17, 3, 44, 5, 17, 3]
   engine = _engine(target, build_proposer("ngram", target, max_ngram=3), 2, 32,

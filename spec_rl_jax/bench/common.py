@@ -48,7 +48,8 @@ def alternate(systems: dict[str, Callable[[], object]], reps: int, warmup: int =
   """Runs each system ``reps`` times, interleaved (A B A B ...) after ``warmup`` rounds.
 
   A system may return the work it did (e.g. tokens emitted); throughput is then
-  ``work / time`` per run, else ``1 / time``. Returns ``{"times": {name: [s...]},
+  ``work / time`` per run, else ``1 / time``. It may also return ``(work, seconds)``:
+  seconds to leave out of its time (XLA compiles met in a timed run). Returns ``{"times": {name: [s...]},
   "median": {name: median s}, "rate": {name: median throughput}, "ratio": {name:
   median over repetitions of rate / baseline rate}}`` (ratio > 1: faster).
   """
@@ -62,6 +63,9 @@ def alternate(systems: dict[str, Callable[[], object]], reps: int, warmup: int =
       t = time.perf_counter()
       work = fn()
       dt = time.perf_counter() - t
+      if isinstance(work, tuple):
+        work, excluded = work
+        dt -= excluded
       times[name].append(dt)
       rates[name].append((work if isinstance(work, (int, float)) else 1.0) / dt)
   baseline = baseline or next(iter(systems))

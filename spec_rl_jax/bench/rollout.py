@@ -19,7 +19,6 @@ import argparse
 import tempfile
 import time
 
-import jax
 import numpy as np
 
 from spec_rl_jax.bench import common

@@ -206,7 +206,7 @@ def main(argv=None) -> dict:
   sweep = {limit: _summarize([r for r in rows if r["recompute_max_tokens"] == limit])
            for limit in limits}
   summary = {**_summarize(head), "by_recompute_max_tokens": sweep}
-  print(f"\nsummary (kv_aware vs naive; ratios > 1 favour kv_aware) by kv_aware's"
+  print("\nsummary (kv_aware vs naive; ratios > 1 favour kv_aware) by kv_aware's"
         " recompute_max_tokens:")
   common.print_table([{"recompute_max_tokens": limit, "phase": k, **v}
                       for limit, by_phase in sweep.items() for k, v in by_phase.items()],

@@ -248,8 +248,7 @@ class RolloutEngine:
     t_call = time.perf_counter()  # the device is idle: the counters were just read
     self._state, rounds = self.programs.decode(
         w, dw, self._state, self._key,
-        jnp.bool_(bool(sched.queue or sched.preempted)),
-        jnp.int32(min(c.round_budget, self.controller.max_rounds or c.round_budget)),
+        jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
         jnp.int32(io.shrink_at(slots)), k=k, slots=slots, pages=pages)
     rounds = int(rounds)
     seconds = time.perf_counter() - t_call

@@ -16,13 +16,19 @@ drafts a round may propose):
           non-negative least squares to the measured shapes once two draft lengths are
           measured (before that ``1 + draft_cost·k``), scaled by the geometric mean of
           measured / model over the shape's measured ``k``.
+  anchor  until an AR round cost ``c(0)`` is measured, calls run at ``k = 0`` (at most
+          `ANCHOR_CALLS`; the first call of a shape compiles, unmeasured).
   choice  ``argmax_k E(k) / c(k)``; the current ``k`` is kept unless another is better by
-          more than ``hysteresis``. Every ``explore_every`` calls a neighbour of the
-          choice (``k ± 1`` or 0) whose cost at this shape is the least recently
-          measured runs instead, so costs the model gets wrong are corrected.
+          more than ``hysteresis``. Now and then a neighbour of the choice (``k ± 1`` or
+          0) whose cost at this shape is the least recently measured runs instead, so
+          costs the model gets wrong are corrected: first after ``explore_every`` calls,
+          the wait doubling (up to ``max_explore_gap``) while explorations leave the
+          choice unchanged, since exploring costs throughput (and, from ``k = 0``, a
+          draft model's catch-up).
 
 Costs come from the engine's own decode calls: nothing is profiled in the rollout path.
-A call runs at most ``max_rounds`` rounds, so a long call cannot hold a stale choice.
+A choice holds for one call; calls end when a slot finishes while requests wait, when
+a smaller slot bucket would do, when a slot needs pages, or after the round budget.
 Calls whose timing is not a positive finite number (a clock glitch) update the
 acceptance only and are counted in ``stats["ignored_timings"]``.
 """
@@ -36,6 +42,8 @@ from scipy import optimize
 
 from spec_rl_jax.spec.controller import CallShape, CallStats, SpecController
 
+ANCHOR_CALLS = 3  # k = 0 calls tried until an AR round cost is measured
+
 
 def features(k: int, slots: int, pages: int) -> np.ndarray:
   """``φ(k, S_c, M_c)``: fixed cost, draft steps, verified rows, drafted rows, KV pages."""
@@ -46,21 +54,21 @@ class AdaptiveK(SpecController):
   """Chooses ``k`` per call from estimated acceptance and measured round costs (see the
   module docstring); ``stats`` counts predicted and realised tokens."""
 
-  def __init__(self, max_draft_tokens: int, decay: float = 0.8, hysteresis: float = 0.03,
-               explore_every: int = 8, draft_cost: float = 0.25,
-               prior_acceptance: float = 0.6, prior_weight: float = 1.0,
-               max_rounds: int = 32):
+  def __init__(self, max_draft_tokens: int, decay: float = 0.8, hysteresis: float = 0.05,
+               explore_every: int = 8, max_explore_gap: int = 128, draft_cost: float = 0.25,
+               prior_acceptance: float = 0.6, prior_weight: float = 1.0):
     super().__init__(max_draft_tokens)
-    self.max_rounds = max_rounds
     if max_draft_tokens < 1:
       raise ValueError("the adaptive controller needs max_draft_tokens >= 1, got"
                        f" {max_draft_tokens}")
-    if (not 0 < decay <= 1 or hysteresis < 0 or explore_every < 1 or draft_cost < 0
-        or max_rounds < 1):
+    if not 0 < decay <= 1 or hysteresis < 0 or explore_every < 1 or draft_cost < 0:
       raise ValueError("need 0 < decay <= 1, hysteresis >= 0, explore_every >= 1,"
-                       " draft_cost >= 0, max_rounds >= 1")
+                       " draft_cost >= 0")
     K = max_draft_tokens
     self.decay, self.hysteresis, self.explore_every = decay, hysteresis, explore_every
+    self.max_explore_gap = max(max_explore_gap, explore_every)
+    self.gap, self.next_explore, self.explored_from = explore_every, explore_every, -1
+    self.anchor_calls = 0  # calls run at k = 0 until an AR cost is measured
     self.draft_cost = draft_cost
     self.hits = prior_weight * prior_acceptance ** np.arange(1, K + 1)
     self.trials = np.full((K,), prior_weight, np.float64)
@@ -128,9 +136,18 @@ class AdaptiveK(SpecController):
     best = int(np.argmax(rate))
     if rate[best] <= rate[self.k] * (1 + self.hysteresis):
       best = self.k
-    self.k = best
-    k = best
-    if self.calls % self.explore_every == 0:
+    self.k = k = best
+    anchored = any(j == 0 for j, _, _ in self.cost_sums)
+    if best and not anchored and self.anchor_calls < ANCHOR_CALLS:
+      # The AR cost anchors every ratio (and the model's fit): measure it first.
+      self.anchor_calls += 1
+      k = 0
+      self.stats["anchor_calls"] += 1
+    elif self.calls >= self.next_explore:
+      # An exploration that leaves the choice as it was doubles the wait for the next.
+      self.gap = min(2 * self.gap, self.max_explore_gap) if best == self.explored_from \
+          else self.explore_every
+      self.next_explore, self.explored_from = self.calls + self.gap, best
       near = sorted({best - 1, best + 1, 0} & set(range(self.max_draft_tokens + 1)) - {best})
       k = min(near, key=lambda j: self.last_measured.get((j, shape.slots, shape.pages), -1))
       self.stats["explored"] += 1

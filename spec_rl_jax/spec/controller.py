@@ -49,8 +49,6 @@ class SpecController:
       raise ValueError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
     self.max_draft_tokens = max_draft_tokens
     self.stats = collections.Counter()
-    # The most rounds one call runs before the next choice (None: the engine's budget).
-    self.max_rounds: int | None = None
 
   def choose(self, shape: CallShape) -> int:
     raise NotImplementedError
