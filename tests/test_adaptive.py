@@ -76,12 +76,12 @@ def test_explorations_that_change_nothing_grow_rarer():
 def test_bad_timings_are_ignored_and_counted():
   c = AdaptiveK(3)
   _drive(c, 10, alpha=0.9, cost=lambda k: 1.0 + 0.05 * k)
-  before = c.costs(SHAPE.slots, SHAPE.pages).copy()
+  before = c.costs(SHAPE).copy()
   for seconds in (0.0, -1.0, math.nan, math.inf):
     k = c.choose(SHAPE)
     c.observe(CallStats(k, SHAPE.slots, SHAPE.pages, 8, 64, np.full((k,), 50.0), seconds))
   assert c.stats["ignored_timings"] == 4
-  after = c.costs(SHAPE.slots, SHAPE.pages)
+  after = c.costs(SHAPE)
   assert np.all(np.isfinite(after)) and np.allclose(after, before)
   assert 0 <= c.choose(SHAPE) <= 3
 
@@ -93,7 +93,8 @@ def test_unmeasured_shapes_use_the_fitted_cost_model():
   cost = lambda S: lambda k: 0.1 + 0.02 * S * (k + 1)
   _drive(c, 40, alpha=0.7, cost=cost(2), shape=CallShape(2, 2, 4))
   _drive(c, 40, alpha=0.7, cost=cost(8), shape=SHAPE)
-  np.testing.assert_allclose(c.costs(64, 4), [cost(64)(k) for k in range(5)], rtol=0.05)
+  np.testing.assert_allclose(c.costs(CallShape(64, 64, 4)), [cost(64)(k) for k in range(5)],
+                             rtol=0.05)
   c.choose(CallShape(64, 64, 4))
   assert c.k == 0
 
@@ -129,3 +130,22 @@ def test_greedy_exact_while_k_changes_and_the_draft_catches_up():
   c = m["controller"]
   assert c["explored"] > 0 and c["slot_rounds"] > 0
   assert c["realised_tokens"] / c["slot_rounds"] >= 1.0
+
+
+def test_plain_calls_of_a_sibling_reading_proposer_run_only_the_busy_slots():
+  """n-gram drafts read other slots' rows, so its speculative calls run every slot; its
+  k = 0 calls need no drafts and run the busy leading slots, as AR does."""
+  from spec_rl_jax.spec.controller import FixedK
+  from spec_rl_jax.spec.proposers import build_proposer
+  cfg = get_preset("tiny-qwen3")
+  policy = init_decoder(cfg, seed=3)
+  reqs = [Request([5, 6, 7, i + 1], i) for i in range(2)]
+  ec = EngineConfig(num_slots=16, page_size=8, num_pages=64, max_seq_len=48,
+                    max_new_tokens=8, sampling=SamplingParams(0.0), max_draft_tokens=2)
+  runs = {}
+  for k in (0, 2):
+    engine = RolloutEngine(policy, ec, proposer=build_proposer("ngram", policy),
+                           controller=FixedK(2, k))
+    runs[k] = [r.tokens for r in engine.generate(reqs).responses]
+    assert {s for _, s, _ in engine.decode_shapes} == ({4} if k == 0 else {16})
+  assert runs[0] == runs[2]

@@ -4,8 +4,9 @@ replayed through the real `Scheduler`: ``python -m spec_rl_jax.bench.schedule_re
 `bench.sparse` times the policies on one workload with the engine; a policy's bytes and
 throughput there hinge on that workload's lengths (which response is long, when it
 starts). This benchmark replays AR rollouts host-only: per device call the engine's
-loop runs up to ``round_budget`` rounds and returns when a slot needs a page or (with
-requests waiting) finishes, exactly as `RolloutEngine.generate` drives the same
+loop runs up to ``round_budget`` rounds and returns when a slot needs a page, when (with
+requests waiting) a slot finishes, or when few enough slots are busy for a smaller slot
+bucket (compacted before the next call), exactly as `RolloutEngine.generate` drives the same
 `Scheduler` (a test checks that the replay reproduces the engine's rounds, calls,
 preemptions and bytes). Each AR round of a fixed-shape batch costs the same whatever
 the number of busy slots, so *rounds* stand for time. A recompute restore re-prefills
@@ -43,6 +44,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from spec_rl_jax.bench import common, sparse
+from spec_rl_jax.rollout import buckets
 from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
 
@@ -90,11 +92,17 @@ def replay(requests: Sequence[ReplayRequest], config: SchedulerConfig, *, num_sl
     while sched.admit_next() is not None:
       pass
     calls += 1
+    # Compaction and the stop at a smaller slot bucket, as rollout/slot_io.py does (AR).
+    if sched.running and (buckets.slot_bucket(num_slots, len(sched.running))
+                          < buckets.slot_bucket(num_slots, max(sched.running) + 1)):
+      sched.compact()
+    slots = buckets.slot_bucket(num_slots, max(sched.running, default=0) + 1)
+    shrink_at = slots // 4 if slots % 4 == 0 and len(sched.running) > slots // 4 else 0
     stop_on_finish = bool(sched.queue or sched.preempted)
     live = {s: q for s, q in sched.running.items() if not done(q)}  # active slots
     finished = [s for s in sched.running if s not in live]  # ended at prefill
     n, newly = 0, False
-    while (n < round_budget and live and not (stop_on_finish and newly)
+    while (n < round_budget and len(live) > shrink_at and not (stop_on_finish and newly)
            and all(q.length + 1 <= len(q.pages) * page_size for q in live.values())):
       n += 1
       busy += len(live)

@@ -235,8 +235,9 @@ class RolloutEngine:
     if admitted:
       self._state = io.prefill(self._state, w, dw, self._key, admitted)
     self._state = io.page_tables(io.compact(self._state))
-    slots, pages = io.call_shape()
-    k = self.controller.choose(CallShape(len(sched.running), slots, pages))
+    shape = CallShape(len(sched.running), *io.call_shape())
+    k = self.controller.choose(shape)
+    slots, pages = shape.slots_at(k), shape.pages
     if not 0 <= k <= c.max_draft_tokens:
       raise ValueError(f"controller chose k={k} outside [0, {c.max_draft_tokens}]"
                        " (max_draft_tokens)")

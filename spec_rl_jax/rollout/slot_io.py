@@ -139,22 +139,24 @@ class SlotIO:
     src[:len(moves)], dst[:len(moves)] = zip(*moves)
     return self.programs.move_rows(state, jnp.asarray(src), jnp.asarray(dst))
 
-  def call_shape(self) -> tuple[int, int]:
-    """``(S_c, M_c)`` of the next decode call: the slots up to the highest running one
-    (all ``S`` for proposers that read other slots) and the most pages a running slot
-    holds, bucketed (rollout/buckets.py)."""
+  def call_shape(self) -> tuple[int, int, int]:
+    """``(S_c, M_c, S_c at k = 0)`` of the next decode call: the slots up to the highest
+    running one (all ``S`` for speculative calls of proposers that read other slots) and
+    the most pages a running slot holds, bucketed (rollout/buckets.py)."""
     c, running = self.config, self.scheduler.running
-    slots = c.num_slots
-    if self.narrow_slots():
-      slots = buckets.slot_bucket(c.num_slots, max(running, default=0) + 1)
+    ar_slots = buckets.slot_bucket(c.num_slots, max(running, default=0) + 1)
     held = max((len(seq.pages) for seq in running.values()), default=1)
-    return slots, buckets.page_bucket(c.max_pages_per_slot, held)
+    return (ar_slots if self.narrow_slots() else c.num_slots,
+            buckets.page_bucket(c.max_pages_per_slot, held), ar_slots)
 
   def shrink_at(self, slots: int) -> int:
-    """Active slots at or below which a call at ``S_c = slots`` should stop: the rest fit
-    the next smaller slot bucket (0: there is none)."""
+    """Active slots at or below which a call at ``S_c = slots`` should stop: compaction
+    then moves the rest into the next smaller slot bucket (0: there is none, or no
+    compaction, for proposers that read other slots)."""
     smaller = slots // 4
-    return smaller if self.narrow_slots() and slots % 4 == 0 and smaller >= 1 else 0
+    if not self.narrow_slots() or slots % 4 or len(self.scheduler.running) <= smaller:
+      return 0
+    return smaller
 
   # ---------------------------------------------------------------- preemption
 

@@ -102,12 +102,13 @@ class AdaptiveK(SpecController):
       return 1.0 + self.draft_cost * k
     return max(float(features(k, slots, pages) @ self.theta), 1e-12)
 
-  def costs(self, slots: int, pages: int) -> np.ndarray:
-    """``c(k)`` for ``k = 0..K`` at ``(S_c, M_c)`` (measured, else the scaled model)."""
-    K = self.max_draft_tokens
-    model = np.asarray([self._model(k, slots, pages) for k in range(K + 1)])
-    measured = {k: self.cost_sums[k, slots, pages] for k in range(K + 1)
-                if (k, slots, pages) in self.cost_sums}
+  def costs(self, shape: CallShape) -> np.ndarray:
+    """``c(k)`` for ``k = 0..K`` at the call's shape (each ``k`` at its own ``S_c``):
+    measured, else the model scaled by the shape's measured / model ratios."""
+    K, M = self.max_draft_tokens, shape.pages
+    keys = [(k, shape.slots_at(k), M) for k in range(K + 1)]
+    model = np.asarray([self._model(*key) for key in keys])
+    measured = {key[0]: self.cost_sums[key] for key in keys if key in self.cost_sums}
     out = model.copy()
     if measured:
       ratios = [math.log(s / r / model[k]) for k, (s, r) in measured.items()]
@@ -132,7 +133,7 @@ class AdaptiveK(SpecController):
 
   def choose(self, shape: CallShape) -> int:
     self.calls += 1
-    rate = self.expected_tokens() / self.costs(shape.slots, shape.pages)
+    rate = self.expected_tokens() / self.costs(shape)
     best = int(np.argmax(rate))
     if rate[best] <= rate[self.k] * (1 + self.hysteresis):
       best = self.k
@@ -149,7 +150,8 @@ class AdaptiveK(SpecController):
           else self.explore_every
       self.next_explore, self.explored_from = self.calls + self.gap, best
       near = sorted({best - 1, best + 1, 0} & set(range(self.max_draft_tokens + 1)) - {best})
-      k = min(near, key=lambda j: self.last_measured.get((j, shape.slots, shape.pages), -1))
+      k = min(near, key=lambda j: self.last_measured.get((j, shape.slots_at(j), shape.pages),
+                                                         -1))
       self.stats["explored"] += 1
     self.pending = (k, float(self.expected_tokens()[k]))
     return k

@@ -19,11 +19,18 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class CallShape:
-  """The next decode call: running sequences, slot bucket ``S_c``, page bucket ``M_c``."""
+  """The next decode call: running sequences, slot bucket ``S_c``, page bucket ``M_c``;
+  ``ar_slots``: ``S_c`` if the call runs with ``k = 0`` (smaller when only drafting reads
+  other slots' rows; ``None``: the same)."""
 
   running: int
   slots: int
   pages: int
+  ar_slots: int | None = None
+
+  def slots_at(self, k: int) -> int:
+    """``S_c`` of the call with draft length ``k``."""
+    return self.ar_slots if k == 0 and self.ar_slots is not None else self.slots
 
 
 @dataclasses.dataclass(frozen=True)
