@@ -133,7 +133,8 @@ class AdaptiveK(SpecController):
 
   def choose(self, shape: CallShape) -> int:
     self.calls += 1
-    rate = self.expected_tokens() / self.costs(shape)
+    expected = self.expected_tokens()
+    rate = expected / self.costs(shape)
     best = int(np.argmax(rate))
     if rate[best] <= rate[self.k] * (1 + self.hysteresis):
       best = self.k
@@ -153,7 +154,7 @@ class AdaptiveK(SpecController):
       k = min(near, key=lambda j: self.last_measured.get((j, shape.slots_at(j), shape.pages),
                                                          -1))
       self.stats["explored"] += 1
-    self.pending = (k, float(self.expected_tokens()[k]))
+    self.pending = (k, float(expected[k]))
     return k
 
   def observe(self, stats: CallStats) -> None:
