@@ -1,15 +1,20 @@
 """Training checkpoints (orbax) and loading a model from any checkpoint directory.
 
-A run directory holds ``ckpt/<step>/`` with three orbax items:
+A run directory holds ``tokenizer/`` (HF layout, written when the run starts) and
+``ckpt/<step>/`` with three orbax items:
 
-  * ``state``: ``{"params", "opt", "step"}`` — pure pytrees of arrays,
+  * ``state``: ``{"params", "opt", "step"}`` — pure pytrees of arrays (an RL run adds
+    ``"draft"``, the draft model's weights, and ``"counters"``),
   * ``data``: the grain iterator state (the exact future batches),
   * ``meta``: JSON — the run config, the model config and the rollout engine's memory
-    of earlier rollouts per prompt (the ngram proposer's references),
+    of earlier rollouts per prompt (the ngram proposer's references); an RL run with a
+    draft model adds its model config as ``draft_model``,
 
 so a killed run resumes with the same future (params, optimizer, data, step; the
 trainer's randomness is a function of the step). `load_model` opens either a run
-directory (latest step) or a Hugging Face directory (``config.json``).
+directory (latest step) or a Hugging Face directory (``config.json``), so a run directory
+is a valid ``policy.path``; ``python -m spec_rl_jax.export`` turns one into a HF
+checkpoint.
 """
 
 from __future__ import annotations
@@ -71,20 +76,26 @@ class TrainCheckpointer:
         data=grain.checkpoint.CheckpointRestore(data_iter), meta=ocp.args.JsonRestore()))
     return out.state, out.meta
 
-  def restore_meta(self) -> dict:
-    step = self.manager.latest_step()
+  def all_steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
+  def restore_meta(self, step: int | None = None) -> dict:
+    """The ``meta`` item of ``step`` (None: the latest)."""
+    step = self.manager.latest_step() if step is None else step
     return self.manager.restore(step, args=ocp.args.Composite(
         meta=ocp.args.JsonRestore())).meta
 
-  def restore_params(self, abstract_params: Any) -> Any:
-    """Only the parameters of the latest step (e.g. to evaluate a running job)."""
-    step = self.manager.latest_step()
-    abstract = {"params": abstract_params}
+  def restore_params(self, abstract_params: Any, step: int | None = None,
+                     key: str = "params") -> Any:
+    """Only ``state[key]`` of ``step`` (None: the latest), e.g. to evaluate a running
+    job; ``key="draft"``: an RL run's draft model weights."""
+    step = self.manager.latest_step() if step is None else step
+    abstract = {key: abstract_params}
     state = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.PyTreeRestore(
             item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
             partial_restore=True)))
-    return state.state["params"]
+    return state.state[key]
 
   def wait(self) -> None:
     self.manager.wait_until_finished()
@@ -100,21 +111,32 @@ def abstract_params(cfg: ModelConfig) -> tuple[Any, dict]:
                                 nnx.to_pure_dict(state))
 
 
+def restore_decoder(ckpt: TrainCheckpointer, cfg: ModelConfig, step: int | None = None,
+                    key: str = "params") -> Decoder:
+  """The `Decoder` of config ``cfg`` whose weights are ``state[key]`` at ``step``."""
+  graphdef, abstract = abstract_params(cfg)
+  return nnx.merge(graphdef, ckpt.restore_params(abstract, step, key))
+
+
+def run_tokenizer(path: str) -> Tokenizer | None:
+  """The tokenizer a run directory saved (None: a run from before runs saved it)."""
+  tok_dir = os.path.join(path, TOKENIZER_DIR)
+  return Tokenizer.load(tok_dir) if os.path.isdir(tok_dir) else None
+
+
 def _load_run(path: str) -> tuple[Decoder, Tokenizer | None]:
   ckpt = TrainCheckpointer(path)
   if ckpt.latest_step() is None:
     raise FileNotFoundError(f"{path}: run directory without checkpoints")
-  cfg = config_from_json(ckpt.restore_meta()["model"])
-  graphdef, abstract = abstract_params(cfg)
-  params = ckpt.restore_params(abstract)
+  model = restore_decoder(ckpt, config_from_json(ckpt.restore_meta()["model"]))
   ckpt.close()
-  tok_dir = os.path.join(path, TOKENIZER_DIR)
-  tokenizer = Tokenizer.load(tok_dir) if os.path.isdir(tok_dir) else None
-  return nnx.merge(graphdef, params), tokenizer
+  return model, run_tokenizer(path)
 
 
 def _load_hf(path: str) -> tuple[Decoder, Tokenizer | None]:
-  return hf_io.load_hf_checkpoint(path)
+  # A draft model or teacher may come without a tokenizer; callers that need one check.
+  has_tokenizer = os.path.exists(os.path.join(path, hf_io.TOKENIZER_FILE))
+  return hf_io.load_hf_checkpoint(path, load_tokenizer=has_tokenizer)
 
 
 # (marker file or directory inside the checkpoint, loader), tried in order.

@@ -15,12 +15,14 @@ A step t (sync, staleness 0):
   3. update    advantages (rl/advantages.py) → PPO-clip loss on ``log π_old`` = the
                rollout's target logprobs (rl/learner.py) → new weights to the engine.
 
-The run directory holds ``config.yaml`` (resolved), ``metrics.jsonl``, ``tb/``,
-``ckpt/`` (params, optimizer, draft params, data iterator, counters, the engine's
-proposer's host memory, e.g. the n-gram references; async orbax) and
+The run directory holds ``config.yaml`` (resolved), ``tokenizer/``, ``metrics.jsonl``,
+``tb/``, ``ckpt/`` (params, optimizer, draft params, data iterator, counters, the
+engine's proposer's host memory, e.g. the n-gram references; async orbax) and
 ``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
-checkpoint with the same future. The draft model is not trained here: its lag behind
-the policy (updates since the draft weights were synced) is logged as
+checkpoint with the same future. A run directory is itself a ``policy.path`` (its latest
+checkpoint) for the next run; ``python -m spec_rl_jax.export RUN_DIR OUT_DIR`` writes
+its policy (and draft model) as HF checkpoints. The draft model is not trained here:
+its lag behind the policy (updates since the draft weights were synced) is logged as
 ``spec/draft_lag_steps``.
 """
 
@@ -131,6 +133,10 @@ class Trainer:
     policy, tokenizer = checkpoint.load_model(resolve_path(cfg.policy.path))
     if tokenizer is None:
       raise ValueError(f"{cfg.policy.path} has no tokenizer")
+    # Saved before the first step, so every run directory (even a killed one) is a
+    # complete policy.path and exports with its tokenizer.
+    if jax.process_index() == 0:
+      tokenizer.save(os.path.join(cfg.run_dir, checkpoint.TOKENIZER_DIR))
     nnx.update(policy, sharding.device_put_state(nnx.state(policy), self.mesh))
     self.tokenizer = tokenizer
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens)
@@ -161,10 +167,14 @@ class Trainer:
   def _meta(self) -> dict:
     resumable = {k: v for k, v in to_dict(self.cfg).items()
                  if k not in ("run_dir", "steps", "progress")}
-    return {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
+    meta = {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
                                          "next_request_id": self.step * self.N},
             "model": checkpoint.config_to_json(self.learner.model().cfg),
             "proposer_memory": self.proposer.host_state() if self.proposer else {}}
+    if self.proposer is not None and self.proposer.model() is not None:
+      # The draft's architecture, so its weights (state["draft"]) export on their own.
+      meta["draft_model"] = checkpoint.config_to_json(self.proposer.model().cfg)
+    return meta
 
   def save(self) -> None:
     self.ckpt.save(self.step, self._ckpt_state(), self.batches, self._meta())
