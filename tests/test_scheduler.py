@@ -27,7 +27,7 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=20)
 def target(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("target"))
   hf_fixtures.build("qwen3", d, tie=True, seed=1)
-  return hf_io.load_hf_checkpoint(d)[0]
+  return hf_io.load_hf_checkpoint(d, load_tokenizer=False)[0]
 
 
 def _requests(n=10, seed=0):

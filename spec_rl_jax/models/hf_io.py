@@ -1,9 +1,11 @@
 """Hugging Face checkpoint import/export for the Llama / Qwen3 decoder.
 
-Import reads ``config.json`` (``LlamaForCausalLM`` or ``Qwen3ForCausalLM``), single or
-sharded safetensors (``model.safetensors.index.json``) and ``tokenizer.json`` (through
-`spec_rl_jax.models.tokenizer`). Tensors are read lazily from the memory-mapped files
-straight into sharded arrays: each device's shard is assembled by a
+Import reads ``config.json`` (``LlamaForCausalLM`` or ``Qwen3ForCausalLM``; without
+``architectures``, ``model_type`` ``llama`` or ``qwen3``), single or sharded safetensors
+(``model.safetensors.index.json``) and ``tokenizer.json`` (through
+`spec_rl_jax.models.tokenizer`; a directory without one is an error unless the caller
+asks for the weights alone, ``load_tokenizer=False``). Tensors are read lazily from the
+memory-mapped files straight into sharded arrays: each device's shard is assembled by a
 ``make_array_from_callback`` callback, so no full-size host copy of the model exists.
 
 Export writes the same layout, loadable by ``transformers`` unchanged.
@@ -32,11 +34,11 @@ import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from spec_rl_jax import sharding
-from spec_rl_jax.models.config import ARCHITECTURES, Llama3RopeScaling, ModelConfig
+from spec_rl_jax.models.config import ARCHITECTURES, Arch, Llama3RopeScaling, ModelConfig
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.transformer import Decoder, abstract_decoder
 
@@ -44,18 +46,33 @@ log = logging.getLogger(__name__)
 
 # Tensors some HF checkpoints carry that the model recomputes or ties.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+TOKENIZER_FILE = "tokenizer.json"
 
 
 # --------------------------------------------------------------------------- config
 
 
+def _architecture(hf: dict) -> Arch:
+  """Our architecture of a ``config.json``: from ``architectures``, else (as
+  ``transformers``' auto classes do) from ``model_type``."""
+  archs, model_type = hf.get("architectures") or [], hf.get("model_type")
+  supported = (f"supported: architectures {sorted(ARCHITECTURES)}, or without"
+               f" architectures model_type {sorted(set(ARCHITECTURES.values()))}")
+  if archs:
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if arch is None:
+      raise ValueError(f"unsupported architectures {archs} (model_type {model_type!r}) in"
+                       f" config.json; {supported}")
+    return arch
+  if model_type in ARCHITECTURES.values():
+    return model_type
+  raise ValueError(f"config.json has no 'architectures' and model_type {model_type!r};"
+                   f" {supported}")
+
+
 def config_from_hf(hf: dict, param_dtype: str | None = None) -> ModelConfig:
   """``config.json`` dict → `ModelConfig` (legacy ``rope_scaling`` or ``rope_parameters``)."""
-  archs = hf.get("architectures") or []
-  arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-  if arch is None:
-    raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r} in"
-                     f" config.json; supported: {sorted(ARCHITECTURES)}")
+  arch = _architecture(hf)
   for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
     if hf.get(flag):
       raise ValueError(f"config.json sets {flag}=true, which this decoder does not support")
@@ -211,7 +228,7 @@ class _SafetensorsReader:
       raise FileNotFoundError(f"{directory}: neither model.safetensors nor"
                               " model.safetensors.index.json found")
     files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-    self._handles = {f: safe_open(os.path.join(directory, f), "numpy") for f in files}
+    self._handles = {f: _open_safetensors(os.path.join(directory, f)) for f in files}
     if weight_map is None:
       weight_map = {k: files[0] for k in self._handles[files[0]].keys()}
     self.weight_map = weight_map
@@ -223,6 +240,31 @@ class _SafetensorsReader:
     return self._handles[self.weight_map[name]].get_tensor(name)
 
 
+def _open_safetensors(path: str):
+  """``safe_open(path)``; a missing or unreadable file (truncated, a Git LFS pointer)
+  raises naming ``path``."""
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path}: safetensors file missing (listed in"
+                            " model.safetensors.index.json)")
+  try:
+    return safe_open(path, "numpy")
+  except SafetensorError as e:
+    raise ValueError(f"{path}: unreadable safetensors file ({e}); is it truncated (an"
+                     " interrupted download or copy) or a Git LFS pointer?") from e
+
+
+def _read_config(directory: str, param_dtype: str | None) -> ModelConfig:
+  """The `ModelConfig` of ``directory/config.json``; errors name the file."""
+  path = os.path.join(directory, "config.json")
+  try:
+    with open(path) as f:
+      return config_from_hf(json.load(f), param_dtype)
+  except KeyError as e:
+    raise ValueError(f"{path}: required key {e.args[0]!r} missing") from e
+  except (json.JSONDecodeError, ValueError) as e:
+    raise ValueError(f"{path}: {e}") from e
+
+
 def _expected_hf_shape(t: _Tensor, ours: tuple[int, ...], per_layer: bool) -> tuple[int, ...]:
   one = ours[1:] if per_layer else ours
   return t.to_hf(np.empty(one, np.int8)).shape
@@ -231,15 +273,21 @@ def _expected_hf_shape(t: _Tensor, ours: tuple[int, ...], per_layer: bool) -> tu
 def load_hf_checkpoint(directory: str, mesh: Mesh | None = None, *,
                        param_dtype: str | None = None, load_tokenizer: bool = True,
                        rules=sharding.RULES) -> tuple[Decoder, Tokenizer | None]:
-  """Loads a HF checkpoint directory into a (sharded) `Decoder` (+ its tokenizer).
+  """Loads a HF checkpoint directory into a (sharded) `Decoder` and its tokenizer
+  (``None`` with ``load_tokenizer=False``).
 
-  Raises with the tensor's name if a tensor is missing or mis-shaped, and if the
-  tokenizer has more ids than the model's vocabulary.
+  Raises naming the directory if ``tokenizer.json`` is missing (unless
+  ``load_tokenizer=False``), with the tensor's name if a tensor is missing or
+  mis-shaped, and if the tokenizer has more ids than the model's vocabulary.
   """
-  with open(os.path.join(directory, "config.json")) as f:
-    cfg = config_from_hf(json.load(f), param_dtype)
+  cfg = _read_config(directory, param_dtype)
+  if load_tokenizer and not os.path.exists(os.path.join(directory, TOKENIZER_FILE)):
+    raise FileNotFoundError(
+        f"{directory}: no {TOKENIZER_FILE}; copy the model's tokenizer files"
+        f" ({TOKENIZER_FILE}, tokenizer_config.json) into it, or pass load_tokenizer=False"
+        " to load the weights alone")
   tokenizer = None
-  if load_tokenizer and os.path.exists(os.path.join(directory, "tokenizer.json")):
+  if load_tokenizer:
     tokenizer = Tokenizer.load(directory)
     check_vocab(tokenizer, cfg.vocab_size)
 
