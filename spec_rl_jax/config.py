@@ -4,14 +4,20 @@ dotted command-line overrides.
 ``load_config("configs/x.yaml", ["learner.lr=1e-5", "rollout.group_size=8"])`` reads a
 recipe (a nested mapping mirroring `TrainConfig`), applies ``section.field=value``
 overrides (values parsed as YAML: ``1e-5``, ``true``, ``[a, b]``) and type-checks
-every field. Unknown keys are rejected with the valid alternatives named. The defaults
-of `TrainConfig` are the CPU recipe (configs/default.yaml holds the same values).
+every field. Unknown keys are rejected with the valid alternatives named, and so is a
+key written twice in one mapping (plain YAML keeps the last). The defaults of
+`TrainConfig` are the CPU recipe (configs/default.yaml holds the same values).
+
+Some fields default to a value that depends on another and are resolved when the config
+is built (``learner.aggregation``: the advantage estimator's own), so the config saved
+with a run holds the values it used.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -19,7 +25,8 @@ from typing import Any
 
 import yaml
 
-from spec_rl_jax.rl.advantages import ADVANTAGES
+from spec_rl_jax import data
+from spec_rl_jax.rl.advantages import ADVANTAGES, PAIRED_AGGREGATIONS, default_aggregation
 from spec_rl_jax.spec import proposers
 from spec_rl_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
 
@@ -127,7 +134,9 @@ class LearnerConfig:
 
   advantage: str = "grpo"  # a key of rl.advantages.ADVANTAGES
   loss: str = "ppo_clip"  # a key of rl.losses.POLICY_LOSSES
-  aggregation: str = "token_mean"  # a key of rl.losses.AGGREGATIONS
+  # A key of rl.losses.AGGREGATIONS; None: the advantage's own (dr_grpo: seq_sum_norm,
+  # the others token_mean), resolved when the config is built.
+  aggregation: str | None = None
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.0  # β; > 0 keeps a frozen reference copy of the initial policy
@@ -145,7 +154,14 @@ class LearnerConfig:
   def __post_init__(self):
     _check_choice("learner.advantage", self.advantage, ADVANTAGES)
     _check_choice("learner.loss", self.loss, POLICY_LOSSES)
+    if self.aggregation is None:
+      object.__setattr__(self, "aggregation", default_aggregation(self.advantage))
     _check_choice("learner.aggregation", self.aggregation, AGGREGATIONS)
+    paired = PAIRED_AGGREGATIONS.get(self.advantage)
+    if paired is not None and self.aggregation != paired:
+      logging.warning("learner.advantage=%s comes with learner.aggregation=%s, but the"
+                      " config sets %s: kept; leave learner.aggregation unset to use %s",
+                      self.advantage, paired, self.aggregation, paired)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +174,18 @@ class DataConfig:
   eval_n: int = 100  # held-out prompts per source (0: no evaluation)
   eval_k: int = 4  # samples per held-out prompt
   eval_every: int = 20  # steps between evaluations (0: only before and after)
+
+  def __post_init__(self):
+    for i, spec in enumerate(self.sources):
+      try:
+        source = data.Source.parse(spec)
+      except ValueError as e:
+        raise ConfigError(f"data.sources[{i}]: {e}") from e
+      if self.eval_n and not source.held_out_is_disjoint:
+        logging.warning("data.sources[%d] %r: training reads the whole file, so the"
+                        " evaluation records (its first data.eval_n=%d) are training data;"
+                        " add ?heldout=FRACTION (e.g. jsonl:PATH?heldout=0.05) for a"
+                        " disjoint held-out split", i, spec, self.eval_n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +207,39 @@ class TrainConfig:
   learner: LearnerConfig = LearnerConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+class _RecipeLoader(yaml.SafeLoader):
+  """A safe YAML loader that rejects a key written twice in one mapping, naming both
+  lines (``where``: the file, or the override, the text came from)."""
+
+  where = "<recipe>"
+
+  def construct_mapping(self, node, deep=False):
+    first_line: dict[Any, int] = {}
+    for key_node, _ in node.value:
+      if key_node.tag == "tag:yaml.org,2002:merge":
+        continue  # ``<<: *base`` merges defaults that explicit keys may override
+      key = self.construct_object(key_node, deep=True)
+      line = key_node.start_mark.line + 1
+      try:
+        if key in first_line:
+          raise ConfigError(f"{self.where}:{line}: duplicate key {key!r} (first at line"
+                            f" {first_line[key]}); YAML would keep only the last")
+        first_line[key] = line
+      except TypeError:  # an unhashable key: the base constructor reports it
+        continue
+    return super().construct_mapping(node, deep)
+
+
+def _load_yaml(stream, where: str) -> Any:
+  """The YAML document in ``stream`` (text or a file), read by `_RecipeLoader`."""
+  loader = _RecipeLoader(stream)
+  loader.where = where
+  try:
+    return loader.get_single_data()
+  finally:
+    loader.dispose()
 
 
 def _unknown(key: str, where: str, valid: Sequence[str]) -> ConfigError:
@@ -215,7 +276,8 @@ def _coerce(value: Any, kind: Any, name: str) -> Any:
   ok = {bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
         float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str)}[kind]
+        str: lambda v: isinstance(v, str),
+        type(None): lambda v: v is None}[kind]
   if not ok(value):
     raise ConfigError(f"{name} must be {kind.__name__}, got {value!r}")
   return float(value) if kind is float else value
@@ -255,7 +317,7 @@ def apply_override(d: dict[str, Any], override: str) -> None:
     node = node.setdefault(part, {})
     if not isinstance(node, dict):
       raise ConfigError(f"bad override {override!r}: {part!r} is not a section")
-  node[leaf] = yaml.safe_load(raw)
+  node[leaf] = _load_yaml(raw, f"override {override!r}")
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
@@ -263,7 +325,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Train
   d: dict[str, Any] = {}
   if path is not None:
     with open(path) as f:
-      d = yaml.safe_load(f) or {}
+      d = _load_yaml(f, path) or {}
     if not isinstance(d, dict):
       raise ConfigError(f"{path}: a recipe must be a mapping of sections")
   for o in overrides:

@@ -7,6 +7,23 @@ records come from, as a CLI-friendly string::
   task:arithmetic                                 built-in generator, default difficulty
   task:countdown?num_numbers=4,max_number=30@0.5  difficulty; mixture weight 0.5
   jsonl:/data/gsm8k_train.jsonl                   a user's file (the file is the split)
+  jsonl:/data/gsm8k_train.jsonl?heldout=0.05      the file, 5% of it held out
+
+Held-out (evaluation) records, `Source.held_out`:
+
+  * a task's: distinct problems of its test split, a hash of the problem that the
+    training stream never draws (`spec_rl_jax.tasks.base`);
+  * a JSONL file's with ``heldout=F`` (``0 < F < 1``): its first ``n`` records (file
+    order) whose prompt hashes below ``F`` (`in_held_out`: a stable hash of the stripped
+    prompt text, so duplicates land on the same side, every machine and run splits
+    alike, and appending records moves none); training reads only the others;
+  * a JSONL file's without ``heldout``: its first ``n`` records, the file being one
+    split. That fits a separate test file (``python -m spec_rl_jax.eval --data
+    jsonl:/data/gsm8k_test.jsonl``); a training source evaluated this way is evaluated
+    on records it trains on, which the trainer's config warns about.
+
+JSONL files are UTF-8 (a byte-order mark is ignored), one JSON object per line (LF or
+CRLF); a record's ``prompt`` must not be empty.
 
 Pipelines (all grain, so the iterator state is a small dict that checkpoints with the
 run and restores the exact future batches):
@@ -22,6 +39,7 @@ sources are already random. Sources are mixed by weight.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -48,12 +66,13 @@ class JsonlError(ValueError):
 def read_jsonl(path: str, skip_bad_lines: bool = False) -> list[Record]:
   """Reads prompt/answer records; blank lines are ignored.
 
-  A line that is not a JSON object with string ``prompt`` and ``answer`` raises
-  `JsonlError` naming ``path:line``; with ``skip_bad_lines`` it is skipped instead and
-  the skipped lines are counted in one warning.
+  A line that is not a JSON object with string ``prompt`` (not blank) and ``answer``
+  raises `JsonlError` naming ``path:line``; with ``skip_bad_lines`` it is skipped instead
+  and the skipped lines are counted in one warning.
   """
   records, bad = [], []
-  with open(path) as f:
+  # utf-8-sig drops the byte-order mark some editors (Windows Notepad, Excel) write.
+  with open(path, encoding="utf-8-sig") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -77,6 +96,8 @@ def _check_record(obj: Any) -> Record:
   for field in ("prompt", "answer"):
     if not isinstance(obj.get(field), str):
       raise ValueError(f"field {field!r} missing or not a string")
+  if not obj["prompt"].strip():
+    raise ValueError("field 'prompt' is empty")
   if "task" in obj and not isinstance(obj["task"], str):
     raise ValueError("field 'task' must be a string")
   return {k: obj[k] for k in ("prompt", "answer", "task") if k in obj}
@@ -101,7 +122,7 @@ class Source:
 
   kind: str
   name: str
-  params: tuple[tuple[str, Any], ...] = ()  # task difficulty
+  params: tuple[tuple[str, Any], ...] = ()  # task difficulty; a JSONL file's heldout
   weight: float = 1.0
 
   @classmethod
@@ -122,7 +143,12 @@ class Source:
         params.append((k, json.loads(v)))
       except ValueError as e:
         raise ValueError(f"bad parameter {item!r} in {spec!r}: {e}") from e
-    return cls(kind, name, tuple(params), float(weight) if weight else 1.0)
+    source = cls(kind, name, tuple(params), float(weight) if weight else 1.0)
+    try:
+      SOURCES[kind].check(source)
+    except ValueError as e:
+      raise ValueError(f"bad data source {spec!r}: {e}") from e
+    return source
 
   def records(self, split: str, seed: int) -> Sequence[Record]:
     """The training stream (random access; generators are infinite)."""
@@ -131,6 +157,11 @@ class Source:
   def held_out(self, n: int, seed: int) -> list[Record]:
     """``n`` evaluation records (fewer if a file is shorter)."""
     return SOURCES[self.kind].held_out(self, n, seed)
+
+  @property
+  def held_out_is_disjoint(self) -> bool:
+    """Whether `held_out` records are kept out of the training stream."""
+    return SOURCES[self.kind].held_out_is_disjoint(self)
 
   def describe(self) -> dict[str, Any]:
     """What the records are (a task's full difficulty setting, a file's path)."""
@@ -152,10 +183,51 @@ class SourceKind:
   records: Callable[[Source, str, int], Sequence[Record]]
   held_out: Callable[[Source, int, int], list[Record]]
   describe: Callable[[Source], dict[str, Any]]
+  check: Callable[[Source], None]  # raises ValueError on bad parameters
+  held_out_is_disjoint: Callable[[Source], bool]
 
 
 def _task(s: Source):
   return get_task(s.name, **dict(s.params))
+
+
+def _jsonl_held_out_fraction(s: Source) -> float | None:
+  """The ``heldout`` fraction of a JSONL source (None: the file is one split)."""
+  params = dict(s.params)
+  unknown = sorted(set(params) - {"heldout"})
+  if unknown:
+    raise ValueError(f"unknown jsonl parameter(s) {unknown}; jsonl sources take only"
+                     " heldout=FRACTION")
+  fraction = params.get("heldout")
+  if fraction is None:
+    return None
+  if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+      or not 0 < fraction < 1:
+    raise ValueError(f"heldout must be a fraction of the file in (0, 1), e.g."
+                     f" heldout=0.05, got {fraction!r}")
+  return float(fraction)
+
+
+def in_held_out(prompt: str, fraction: float) -> bool:
+  """Whether a record with ``prompt`` is in the held-out ``fraction`` of its file."""
+  digest = hashlib.blake2b(prompt.strip().encode(), digest_size=8).digest()
+  return int.from_bytes(digest, "little") / 2.0**64 < fraction
+
+
+def jsonl_split(s: Source, split: str) -> list[Record]:
+  """The records of a JSONL source's ``split`` ("train" or "test": the held-out
+  ones); without ``heldout`` every split is the whole file."""
+  records = read_jsonl(s.name)
+  fraction = _jsonl_held_out_fraction(s)
+  if fraction is None:
+    return records
+  if split not in ("train", "test"):
+    raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+  out = [r for r in records if in_held_out(r["prompt"], fraction) == (split == "test")]
+  if not out:
+    raise JsonlError(f"{s.name}: heldout={fraction} leaves no {split} records of"
+                     f" {len(records)}")
+  return out
 
 
 SOURCES: dict[str, SourceKind] = {
@@ -163,11 +235,16 @@ SOURCES: dict[str, SourceKind] = {
     "task": SourceKind(
         records=lambda s, split, seed: TaskRecords(_task(s), split, seed),
         held_out=lambda s, n, seed: unique_records(_task(s), "test", seed, n),
-        describe=lambda s: dataclasses.asdict(_task(s))),
-    # Files: the file is the split; held-out = its first n records.
-    "jsonl": SourceKind(records=lambda s, split, seed: read_jsonl(s.name),
-                        held_out=lambda s, n, seed: read_jsonl(s.name)[:n],
-                        describe=lambda s: {"path": os.path.abspath(s.name)}),
+        describe=lambda s: dataclasses.asdict(_task(s)),
+        check=lambda s: None,  # get_task checks the difficulty when the task is built
+        held_out_is_disjoint=lambda s: True),
+    # Files: held-out = the first n records of the heldout split (or of the file).
+    "jsonl": SourceKind(
+        records=lambda s, split, seed: jsonl_split(s, split),
+        held_out=lambda s, n, seed: jsonl_split(s, "test")[:n],
+        describe=lambda s: {"path": os.path.abspath(s.name), **dict(s.params)},
+        check=_jsonl_held_out_fraction,
+        held_out_is_disjoint=lambda s: _jsonl_held_out_fraction(s) is not None),
 }
 
 

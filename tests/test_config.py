@@ -1,6 +1,7 @@
 """The config schema: recipes, dotted overrides, rejected keys and values."""
 
 import glob
+import logging
 import os
 
 import pytest
@@ -69,3 +70,56 @@ def test_dump_roundtrip(tmp_path):
   dump_config(cfg, str(tmp_path / "c.yaml"))
   assert load_config(str(tmp_path / "c.yaml")) == cfg
   assert to_dict(cfg)["learner"]["kl_coef"] == 0.05
+
+
+def test_duplicate_key_in_recipe_names_key_and_both_lines(tmp_path):
+  path = tmp_path / "x.yaml"
+  path.write_text("learner:\n  lr: 1.0e-5\n  clip_eps_low: 0.2\n  lr: 3.0e-6\nsteps: 5\n")
+  with pytest.raises(ConfigError, match=rf"{path}:4: duplicate key 'lr' \(first at line 2\)"):
+    load_config(str(path))
+  path.write_text("steps: 5\nlearner: {lr: 1.0e-5}\nsteps: 6\n")
+  with pytest.raises(ConfigError, match=r":3: duplicate key 'steps' \(first at line 1\)"):
+    load_config(str(path))
+  with pytest.raises(ConfigError, match=r"override 'learner=\{lr: 1, lr: 2\}':1: duplicate"
+                                        r" key 'lr'"):
+    load_config(None, ["learner={lr: 1, lr: 2}"])
+
+
+def test_yaml_merge_keys_are_not_duplicates(tmp_path):
+  path = tmp_path / "x.yaml"
+  path.write_text("learner:\n  <<: {lr: 1.0e-5, kl_coef: 0.1}\n  lr: 3.0e-6\n")
+  assert load_config(str(path)).learner.lr == 3.0e-6
+
+
+def test_dr_grpo_brings_its_aggregation(tmp_path, caplog):
+  with caplog.at_level(logging.WARNING):
+    cfg = load_config(None, ["learner.advantage=dr_grpo"])
+    assert load_config(None).learner.aggregation == "token_mean"
+    assert load_config(None, ["learner.advantage=dr_grpo",
+                              "learner.aggregation=seq_sum_norm"]) == cfg
+  assert cfg.learner.aggregation == "seq_sum_norm" and "aggregation" not in caplog.text
+  # The run's saved config holds the effective value.
+  dump_config(cfg, str(tmp_path / "c.yaml"))
+  assert "aggregation: seq_sum_norm" in (tmp_path / "c.yaml").read_text()
+  assert load_config(str(tmp_path / "c.yaml")) == cfg
+
+
+def test_contradicting_aggregation_warns_and_is_kept(caplog):
+  with caplog.at_level(logging.WARNING):
+    cfg = load_config(None, ["learner.advantage=dr_grpo", "learner.aggregation=token_mean"])
+  assert cfg.learner.aggregation == "token_mean"
+  assert ("learner.advantage=dr_grpo comes with learner.aggregation=seq_sum_norm, but the"
+          " config sets token_mean: kept") in caplog.text
+
+
+def test_data_sources_checked_and_overlapping_evaluation_warned(caplog):
+  with pytest.raises(ConfigError, match=r"data\.sources\[1\]: bad data source.*heldout must"):
+    load_config(None, ["data.sources=[task:countdown, 'jsonl:/x.jsonl?heldout=2']"])
+  with caplog.at_level(logging.WARNING):
+    load_config(None, ["data.sources=['jsonl:/x.jsonl?heldout=0.05']"])
+    load_config(None, ["data.sources=['jsonl:/x.jsonl']", "data.eval_n=0"])
+  assert "heldout" not in caplog.text
+  with caplog.at_level(logging.WARNING):
+    load_config(None, ["data.sources=['jsonl:/x.jsonl']"])
+  assert ("data.sources[0] 'jsonl:/x.jsonl': training reads the whole file, so the"
+          " evaluation records (its first data.eval_n=100) are training data") in caplog.text

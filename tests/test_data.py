@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from spec_rl_jax.rl.prompts import prompt_stream
-from spec_rl_jax.data import (JsonlError, Source, SFTEncoder, read_jsonl,
+from spec_rl_jax.data import (JsonlError, Source, SFTEncoder, in_held_out, read_jsonl,
                               sft_batches)
 from spec_rl_jax.tasks import get_task
 from spec_rl_jax.tasks.base import export_jsonl
@@ -117,3 +117,74 @@ def test_held_out_records(tmp_path):
   assert len(Source.parse(f"jsonl:{path}").held_out(100, 0)) == 5
   recs = Source.parse("task:arithmetic?max_digits=3").held_out(50, 0)
   assert len({r["prompt"] for r in recs}) == 50
+
+
+def test_jsonl_with_bom_and_crlf(tmp_path):
+  recs = [{"prompt": "What is 1+1?", "answer": "#### 2"}, {"prompt": "é?", "answer": "x"}]
+  path = tmp_path / "win.jsonl"
+  path.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r, ensure_ascii=False)
+                                               for r in recs).encode() + b"\r\n")
+  assert read_jsonl(str(path)) == recs
+
+
+def test_blank_prompt_is_a_bad_line(tmp_path, caplog):
+  good = json.dumps({"prompt": "p", "answer": "a"})
+  path = _write(tmp_path / "d.jsonl", [good, json.dumps({"prompt": " \n", "answer": "a"}),
+                                       json.dumps({"prompt": "", "answer": "a"})])
+  with pytest.raises(JsonlError, match=r"d\.jsonl:2: field 'prompt' is empty"):
+    read_jsonl(path)
+  with caplog.at_level(logging.WARNING):
+    assert read_jsonl(path, skip_bad_lines=True) == [json.loads(good)]
+  assert "skipped 2 bad line(s): [2, 3]" in caplog.text
+
+
+def _numbered(tmp_path, n=400, name="q.jsonl"):
+  """``n`` distinct records, then a duplicate of each of the first 20 prompts."""
+  recs = [{"prompt": f"question {i}", "answer": str(i)} for i in range(n)]
+  recs += [{"prompt": f"question {i}", "answer": "other"} for i in range(20)]
+  return _write(tmp_path / name, [json.dumps(r) for r in recs]), recs
+
+
+def test_jsonl_held_out_split_is_disjoint_and_deterministic(tmp_path, tok):
+  path, recs = _numbered(tmp_path)
+  src = Source.parse(f"jsonl:{path}?heldout=0.1@2")
+  train, held = list(src.records("train", 0)), src.held_out(10_000, 0)
+  prompts = lambda rs: {r["prompt"] for r in rs}  # noqa: E731
+  assert not prompts(train) & prompts(held)  # duplicates land on one side
+  assert len(train) + len(held) == len(recs) and 20 <= len(held) <= 60
+  assert held == [r for r in recs if in_held_out(r["prompt"], 0.1)]  # file order
+  assert src.held_out(5, 0) == held[:5] == src.held_out(5, 7)  # seed-free
+  assert list(src.records("test", 0)) == held
+  # Larger fractions only add records: the 10% split is inside the 20% one.
+  assert prompts(held) < prompts(Source.parse(f"jsonl:{path}?heldout=0.2").held_out(10_000, 0))
+  assert src.held_out_is_disjoint and not Source.parse(f"jsonl:{path}").held_out_is_disjoint
+  assert Source.parse("task:countdown").held_out_is_disjoint
+  # The training stream never yields a held-out prompt.
+  it = iter(prompt_stream([src], tok, batch_size=50, seed=0))
+  streamed = [r["prompt"] for _ in range(20) for r in next(it)["records"]]
+  assert len(set(streamed)) == len(prompts(train)) and not set(streamed) & prompts(held)
+
+
+def test_jsonl_without_held_out_is_one_split(tmp_path):
+  path, recs = _numbered(tmp_path, n=30)
+  src = Source.parse(f"jsonl:{path}")
+  assert list(src.records("train", 0)) == recs and src.held_out(4, 0) == recs[:4]
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("jsonl:/x.jsonl?heldout=1", r"heldout must be a fraction of the file in \(0, 1\).* got 1"),
+    ("jsonl:/x.jsonl?heldout=0", r"heldout must be a fraction.* got 0"),
+    ("jsonl:/x.jsonl?heldout=true", r"heldout must be a fraction.* got True"),
+    ("jsonl:/x.jsonl?heldout=\"5%\"", r"heldout must be a fraction.* got '5%'"),
+    ("jsonl:/x.jsonl?held_out=0.1", r"unknown jsonl parameter\(s\) \['held_out'\]"),
+])
+def test_bad_held_out_values(spec, message):
+  with pytest.raises(ValueError, match=r"bad data source .*" + message):
+    Source.parse(spec)
+
+
+def test_held_out_fraction_leaving_a_side_empty(tmp_path):
+  path = _write(tmp_path / "one.jsonl", [json.dumps({"prompt": "p", "answer": "a"})])
+  side = "train" if in_held_out("p", 0.5) else "test"  # the side "p" is not on
+  with pytest.raises(JsonlError, match=rf"one\.jsonl: heldout=0\.5 leaves no {side} records"):
+    Source.parse(f"jsonl:{path}?heldout=0.5").records(side, 0)

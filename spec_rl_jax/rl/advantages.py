@@ -7,11 +7,15 @@ population standard deviation of the group:
 
   grpo         A_i = (r_i - mean_g) / (std_g + ε)           (Shao et al., 2024)
   grpo_no_std  A_i =  r_i - mean_g                          (no scale normalisation)
-  dr_grpo      A_i =  r_i - mean_g                          (Liu et al., 2025; pair it
-                                                             with the ``seq_sum_norm``
+  dr_grpo      A_i =  r_i - mean_g                          (Liu et al., 2025; with
+                                                             the ``seq_sum_norm``
                                                              aggregation, losses.py)
   rloo         A_i =  r_i - (1/(G-1)) Σ_{j≠i} r_j = G/(G-1) (r_i - mean_g)
                                                             (Ahmadian et al., 2024)
+
+An estimator may bring its loss aggregation (``PAIRED_AGGREGATIONS``: Dr. GRPO's
+constant normaliser is half of its fix): `default_aggregation` is what the learner uses
+when the recipe sets none; the others default to ``token_mean``.
 
 Degenerate groups give zero advantage (no gradient): all-equal rewards (every
 estimator), and a single response (``G = 1``; RLOO has no leave-one-out baseline).
@@ -26,6 +30,9 @@ from collections.abc import Callable
 import numpy as np
 
 AdvantageFn = Callable[[np.ndarray, float], np.ndarray]  # (r[B, G], ε) -> A[B, G]
+
+PAIRED_AGGREGATIONS: dict[str, str] = {"dr_grpo": "seq_sum_norm"}  # losses.AGGREGATIONS
+DEFAULT_AGGREGATION = "token_mean"
 
 
 def _centered(r: np.ndarray) -> np.ndarray:
@@ -55,6 +62,11 @@ ADVANTAGES: dict[str, AdvantageFn] = {
     "dr_grpo": grpo_no_std,
     "rloo": rloo,
 }
+
+
+def default_aggregation(name: str) -> str:
+  """The loss aggregation of the estimator ``name`` when the recipe sets none."""
+  return PAIRED_AGGREGATIONS.get(name, DEFAULT_AGGREGATION)
 
 
 def compute_advantages(name: str, rewards: np.ndarray, eps: float = 1e-6) -> np.ndarray:

@@ -8,9 +8,10 @@ aggregation over the whole mini-batch (losses.py), so accumulation is exact:
 similar length and drop the padding columns none of them use (`micro_batches`): the
 update of a long-response step costs what its responses need, not ``T`` each.
 
-Old-policy logprobs ``log π_old`` are the rollout's (the target's verification
-logprobs); the trainer's recomputed ``log π_θ`` on the first mini-batch (same params)
-gives the rollout/trainer logprob gap, logged every step.
+Old-policy logprobs ``log π_old`` are the rollout's raw-policy ones
+(``Response.policy_logprobs``: the target's verification logits, no temperature/top-k/
+top-p; losses.py says why); the trainer's recomputed ``log π_θ`` on the first
+mini-batch (same params) gives the rollout/trainer logprob gap, logged every step.
 
 The state lives on the policy's mesh: parameters and Adam moments keep the policy's
 shardings (`sharding.RULES`), micro-batch rows are split over ``data`` × ``fsdp``, and

@@ -6,6 +6,19 @@ rollout: the target's verification logprobs), ``ρ_t = exp(log π_θ - log π_ol
 importance ratio, ``A_i`` the response's advantage (advantages.py), ``ε_low/ε_high``
 the clip range, ``β`` the KL coefficient, ``π_ref`` the frozen reference.
 
+Which distribution the ratio's log-probs are of: both sides are the *raw* policy,
+``log_softmax`` of the unprocessed logits. ``log π_old`` is the rollout's
+``Response.policy_logprobs`` (the target's logits at the verification that emitted
+the token, also for speculative rollouts: never the draft's), not ``Response.logprobs``
+of the processed distribution (temperature, top-k, top-p) the token was drawn from;
+``log π_θ`` is the learner's recomputation (`learner._token_logps`), likewise raw. So
+with the rollout's parameters ``ρ = 1`` up to numerics (the logged ``logprob_gap``),
+and the clip range bounds the policy's change alone: a processed ``π_old`` against a
+raw ``π_θ`` would start every update at ``ρ = π_raw / π_processed ≠ 1`` whenever
+temperature ≠ 1 or top-k/top-p truncate, spending the clip range on the sampling
+settings. What this leaves out: the gap between the processed sampling distribution
+and ``π_θ`` is not importance-weighted (none at temperature 1 without truncation).
+
 Policy losses (``POLICY_LOSSES``; one signature: per-token quantities in, per-token
 loss out):
 
@@ -58,6 +71,8 @@ AggregationFn = Callable[[np.ndarray, int], np.ndarray]
 
 
 def ppo_clip(logp, old_logp, adv, p: LossParams):
+  """PPO's clipped surrogate; ``logp`` and ``old_logp`` are both raw-policy log-probs
+  (the module docstring says why)."""
   ratio = jnp.exp(logp - old_logp)  # ρ [B, T]
   a = adv[:, None]
   unclipped = ratio * a
