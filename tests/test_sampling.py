@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from spec_rl_jax.sampling import CDF_BLOCK, SamplingParams, inverse_cdf, process_logits, sample
+from tests.stats import chi2_quantile, chi2_stat
 
 
 def _probs(logits, **kw):
@@ -57,10 +58,8 @@ def test_sampling_matches_processed_distribution():
   p = np.exp(np.asarray(lp))
   counts = np.bincount(draws, minlength=16)
   assert counts[p == 0].sum() == 0
-  support = p > 0
-  chi2 = (((counts[support] - n * p[support]) ** 2) / (n * p[support])).sum()
-  # dof <= 9: the 99.9% quantile of chi2(9) is 27.9.
-  assert chi2 < 27.9, chi2
+  chi2, df = chi2_stat(counts, p)
+  assert chi2 < chi2_quantile(df), (chi2, df)
 
 
 @pytest.mark.parametrize("V", [5, CDF_BLOCK, 3 * CDF_BLOCK + 17])

@@ -4,26 +4,23 @@ sampling distribution, and sparse = dense when the budget covers the context."""
 import numpy as np
 import pytest
 
-from spec_rl_jax.models import hf_io
 from spec_rl_jax.rollout.types import Request
 from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.spec.proposers.self_sparse import SelfSparseConfig, SelfSparseProposer
 from spec_rl_jax.spec.proposers.self_sparse import PageBudget
-from tests import hf_fixtures
-from tests.test_spec import (GREEDY, GREEDY_REQS, _engine, _exact_joint, chi2_quantile,
-                             chi2_stat)
+from tests.spec_fixtures import GREEDY, GREEDY_REQS, build_target
+from tests.spec_fixtures import engine as make_engine
+from tests.stats import exact_joint, goodness_of_fit
 
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-  d = str(tmp_path_factory.mktemp("target"))
-  hf_fixtures.build("qwen3", d, tie=True, seed=1)
-  return hf_io.load_hf_checkpoint(d)[0]
+  return build_target(str(tmp_path_factory.mktemp("target")))
 
 
 @pytest.fixture(scope="module")
 def greedy_ar(target):
-  return _engine(target, None, 0, 4, sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
+  return make_engine(target, None, 0, 4, sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
 
 
 def _sparse(target, reselect=True, **budget):
@@ -36,8 +33,8 @@ def _sparse(target, reselect=True, **budget):
 def test_greedy_self_sparse_equals_ar(target, greedy_ar, K, reselect):
   """A tight budget (1 sink + 1 window page of 8 tokens, no top-k: a fraction of the
   context for most of the run), continuous batching with 9 requests in 4 slots."""
-  sd = _engine(target, _sparse(target, reselect, n_sink=1, n_window=1, pages=2), K, 4,
-               sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
+  sd = make_engine(target, _sparse(target, reselect, n_sink=1, n_window=1, pages=2), K, 4,
+                   sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in greedy_ar.responses]
   for a, b in zip(greedy_ar.responses, sd.responses):
     assert a.finish_reason == b.finish_reason
@@ -52,8 +49,8 @@ def test_greedy_self_sparse_equals_ar(target, greedy_ar, K, reselect):
 def test_budget_covering_context_accepts_every_draft(target, greedy_ar, budget):
   """Sparse = dense: with every page selected the draft is the policy itself."""
   K = 3
-  sd = _engine(target, _sparse(target, **budget), K, 4, sampling=GREEDY,
-               eos_ids=(11,)).generate(GREEDY_REQS)
+  sd = make_engine(target, _sparse(target, **budget), K, 4, sampling=GREEDY,
+                   eos_ids=(11,)).generate(GREEDY_REQS)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in greedy_ar.responses]
   m = sd.metrics
   assert m["accepted_tokens"] == m["drafted_tokens"] > 0
@@ -66,19 +63,13 @@ def test_self_sparse_sampling_distribution_is_exact(target):
   target's exact law (chi-square at p = 0.001)."""
   params = SamplingParams(temperature=1.0, top_k=3)
   prompt = [5, 17, 3, 44, 5, 17, 3, 60, 2, 71, 33, 8, 19, 40]
-  engine = _engine(target, _sparse(target, n_sink=1, n_window=1, pages=2), 2, 32,
-                   sampling=params, max_new_tokens=3, page_size=2,
-                   num_pages=1200)
+  engine = make_engine(target, _sparse(target, n_sink=1, n_window=1, pages=2), 2, 32,
+                       sampling=params, max_new_tokens=3, page_size=2,
+                       num_pages=1200)
   res = engine.generate([Request(prompt, i) for i in range(4000)])
-  exact = _exact_joint(target, prompt, params, 3)
-  cells = sorted(exact)
-  index = {c: i for i, c in enumerate(cells)}
-  counts = np.zeros(len(cells))
-  for r in res.responses:
-    assert tuple(r.tokens) in index, r.tokens
-    counts[index[tuple(r.tokens)]] += 1
-  stat, df = chi2_stat(counts, np.asarray([exact[c] for c in cells]))
-  assert stat < chi2_quantile(df), (stat, df)
+  fit = goodness_of_fit(exact_joint(target, prompt, params, 3),
+                        [r.tokens for r in res.responses])
+  assert fit["outside"] == 0 and fit["chi2"] < fit["chi2_max"], fit
   assert 0 < res.metrics["accepted_tokens"] < res.metrics["drafted_tokens"]
 
 
@@ -101,8 +92,8 @@ def test_long_context_top_k_selection_greedy_equals_ar(target):
   reqs = [Request(rng.integers(1, 96, 150).tolist(), i) for i in range(3)]
   kw = dict(sampling=GREEDY, eos_ids=(11,), page_size=4, num_pages=200, max_seq_len=192,
             max_new_tokens=32)
-  ar = _engine(target, None, 0, 2, **kw).generate(reqs)
-  sd = _engine(target, _sparse(target, reselect=False, n_sink=1, n_window=1,
-                               fraction=0.25), 3, 2, **kw).generate(reqs)
+  ar = make_engine(target, None, 0, 2, **kw).generate(reqs)
+  sd = make_engine(target, _sparse(target, reselect=False, n_sink=1, n_window=1,
+                                   fraction=0.25), 3, 2, **kw).generate(reqs)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in ar.responses]
   assert sd.metrics["accepted_tokens"] > 0

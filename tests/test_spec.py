@@ -1,8 +1,6 @@
 """Speculative decoding is lossless: greedy equality and exact sampling distributions,
 for every proposer, through the rollout engine."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,33 +10,15 @@ from flax import nnx
 
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.tokenizer import Tokenizer
-from spec_rl_jax.rollout.engine import RolloutEngine
-from spec_rl_jax.rollout.types import EngineConfig, Request
+from spec_rl_jax.rollout.types import Request
 from spec_rl_jax.sampling import SamplingParams, process_logits
 from spec_rl_jax.spec.proposers import build_proposer
 from spec_rl_jax.spec.proposers.draft_model import (DraftModelConfig, DraftModelProposer,
                                                     check_tokenizers_match)
 from spec_rl_jax.spec.verifier import verify
-from tests import hf_fixtures
-
-V = 96
-
-
-def chi2_quantile(df: int, z: float = 3.09) -> float:
-  """Wilson–Hilferty approximation of the chi-square quantile (z=3.09: p = 0.001)."""
-  return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
-def chi2_stat(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
-  """Chi-square over cells with expected count >= 5 (the rest pooled into one cell)."""
-  n = counts.sum()
-  exp = n * probs
-  big = exp >= 5
-  obs_cells = list(counts[big]) + [counts[~big].sum()]
-  exp_cells = list(exp[big]) + [exp[~big].sum()]
-  stat = sum((o - e) ** 2 / e for o, e in zip(obs_cells, exp_cells) if e > 0)
-  return stat, len([e for e in exp_cells if e > 0]) - 1
-
+from tests.spec_fixtures import GREEDY, GREEDY_REQS, V, build_target
+from tests.spec_fixtures import engine as make_engine
+from tests.stats import chi2_quantile, chi2_stat, exact_joint, goodness_of_fit
 
 # --------------------------------------------------------------------------- verifier
 
@@ -89,10 +69,9 @@ def test_verifier_greedy_accepts_iff_argmax():
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("target"))
-  hf_fixtures.build("qwen3", d, tie=True, seed=1)
-  target, _ = hf_io.load_hf_checkpoint(d)
+  target = build_target(d)
   # A draft that agrees with the target often but not always: perturbed weights.
-  draft, _ = hf_io.load_hf_checkpoint(d)
+  draft = hf_io.load_hf_checkpoint(d, load_tokenizer=False)[0]
   noise = jax.tree.map(lambda x: x + 0.08 * jax.random.normal(jax.random.key(5), x.shape),
                        nnx.state(draft, nnx.Param))
   nnx.update(draft, noise)
@@ -104,27 +83,10 @@ def _proposer(kind, draft):
           else build_proposer("ngram", draft, max_ngram=3, reference_len=64))
 
 
-def _engine(target, proposer, K, slots, **kw):
-  cfg = dict(num_slots=slots, page_size=8, num_pages=160, max_seq_len=96, max_new_tokens=24,
-             max_draft_tokens=K)
-  cfg.update(kw)
-  return RolloutEngine(target, EngineConfig(**cfg), proposer=proposer)
-
-
-def _prompts(n, seed):
-  rng = np.random.default_rng(seed)
-  base = rng.integers(1, V, 6).tolist()  # shared motifs give the n-gram drafter matches
-  return [(base * 3)[: rng.integers(3, 18)] + rng.integers(1, V, rng.integers(1, 12)).tolist()
-          for _ in range(n)]
-
-
-GREEDY = SamplingParams(temperature=0.0)
-GREEDY_REQS = [Request(p, i, group_id=i % 3) for i, p in enumerate(_prompts(9, seed=1))]
-
-
 @pytest.fixture(scope="module")
 def greedy_ar(models):
-  return _engine(models[0], None, 0, 4, sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
+  return make_engine(models[0], None, 0, 4, sampling=GREEDY,
+                     eos_ids=(11,)).generate(GREEDY_REQS)
 
 
 @pytest.mark.parametrize("kind", ["draft_model", "ngram"])
@@ -132,8 +94,8 @@ def greedy_ar(models):
 def test_greedy_sd_equals_greedy_ar(models, greedy_ar, kind, K):
   target, draft = models
   ar = greedy_ar
-  sd = _engine(target, _proposer(kind, draft), K, 4, sampling=GREEDY,
-               eos_ids=(11,)).generate(GREEDY_REQS)
+  sd = make_engine(target, _proposer(kind, draft), K, 4, sampling=GREEDY,
+                   eos_ids=(11,)).generate(GREEDY_REQS)
   assert [r.tokens for r in sd.responses] == [r.tokens for r in ar.responses]
   for a, b in zip(ar.responses, sd.responses):
     assert a.finish_reason == b.finish_reason
@@ -147,40 +109,19 @@ def test_greedy_sd_equals_greedy_ar(models, greedy_ar, kind, K):
       0: ar.metrics["rounds"]}
 
 
-def _exact_joint(target, prompt, params, depth):
-  """{token tuple: probability} of the first ``depth`` tokens, by teacher forcing."""
-  out = {(): 1.0}
-  for _ in range(depth):
-    nxt = {}
-    for prefix, pr in out.items():
-      seq = jnp.asarray([prompt + list(prefix)])
-      logits = target(seq, jnp.arange(seq.shape[1])[None]).logits[0, -1]
-      p = np.exp(np.asarray(process_logits(logits, params), np.float64))
-      for t in np.flatnonzero(p > 0):
-        nxt[prefix + (int(t),)] = pr * p[t]
-    out = nxt
-  return out
-
-
 def test_ngram_sampling_distribution_is_exact(models):
   """Joint law of the first 3 tokens under n-gram SD (K=2) equals the target's
   (chi-square); the draft-model drafters are covered in test_spec_exactness.py."""
   target, draft = models
   params = SamplingParams(temperature=1.0, top_k=3)
   prompt = [5, 17, 3, 44, 5, 17, 3]
-  engine = _engine(target, build_proposer("ngram", target, max_ngram=3), 2, 32,
-                   sampling=params, max_new_tokens=3)
+  engine = make_engine(target, build_proposer("ngram", target, max_ngram=3), 2, 32,
+                       sampling=params, max_new_tokens=3)
   n = 4000
   res = engine.generate([Request(prompt, i, group_id=0) for i in range(n)])
-  exact = _exact_joint(target, prompt, params, 3)
-  cells = sorted(exact)
-  index = {c: i for i, c in enumerate(cells)}
-  counts = np.zeros(len(cells))
-  for r in res.responses:
-    assert tuple(r.tokens) in index, r.tokens  # never outside the target's support
-    counts[index[tuple(r.tokens)]] += 1
-  stat, df = chi2_stat(counts, np.asarray([exact[c] for c in cells]))
-  assert stat < chi2_quantile(df), (stat, df)
+  fit = goodness_of_fit(exact_joint(target, prompt, params, 3),
+                        [r.tokens for r in res.responses])
+  assert fit["outside"] == 0 and fit["chi2"] < fit["chi2_max"], fit
   assert 0 < res.metrics["accepted_tokens"] < res.metrics["drafted_tokens"]
 
 
@@ -189,8 +130,8 @@ def test_ngram_uses_siblings_and_earlier_rollouts(models):
   call copies the stored rollout) — high acceptance, same tokens."""
   target, _ = models
   greedy = SamplingParams(temperature=0.0)
-  engine = _engine(target, build_proposer("ngram", target, reference_len=64), 4, 1,
-                   sampling=greedy)
+  engine = make_engine(target, build_proposer("ngram", target, reference_len=64), 4, 1,
+                       sampling=greedy)
   prompt = [9, 8, 7, 6, 5]
   first = engine.generate([Request(prompt, i, group_id=0) for i in range(3)])
   again = engine.generate([Request(prompt, 10)])
@@ -214,11 +155,11 @@ def test_draft_tokenizer_mismatch_is_rejected():
 def test_engine_rejects_mismatched_proposer_setup(models):
   target, draft = models
   with pytest.raises(ValueError, match="needs a proposer"):
-    _engine(target, None, 2, 2)
+    make_engine(target, None, 2, 2)
   small_vocab = DraftModelProposer(DraftModelConfig(), nnx.merge(*nnx.split(draft)))
   small_vocab.model_config = small_vocab.model_config.replace(vocab_size=V + 1)
   with pytest.raises(ValueError, match="vocab_size"):
-    _engine(target, small_vocab, 2, 2)
+    make_engine(target, small_vocab, 2, 2)
   with pytest.raises(ValueError, match="unknown proposer"):
     build_proposer("oracle", target)
   with pytest.raises(ValueError, match="max_ngrm"):

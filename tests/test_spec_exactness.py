@@ -8,7 +8,6 @@ null (plus 0.005). A sampler that skips the residual correction fails both.
 """
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from spec_rl_jax.sampling import SamplingParams, process_logits
 from spec_rl_jax.spec import verifier
 from spec_rl_jax.spec.proposers import Proposer
 from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from tests.stats import exact_joint, goodness_of_fit
 
 V, N_SAMPLES, PROMPT = 8, 20_000, [3, 1, 4, 1, 5]
 
@@ -70,18 +70,9 @@ def _proposer(kind, target):
   return DraftModelProposer(DraftModelConfig(), draft)
 
 
-def _exact(target, params, depth=3):
-  probs = {(): 1.0}
-  for _ in range(depth):
-    nxt = {}
-    for prefix, pr in probs.items():
-      seq = jnp.asarray([PROMPT + list(prefix)])
-      p = np.exp(np.asarray(process_logits(
-          target(seq, jnp.arange(seq.shape[1])[None]).logits[0, -1], params), np.float64))
-      for t in np.flatnonzero(p > 0):
-        nxt[prefix + (int(t),)] = pr * p[t]
-    probs = nxt
-  return probs
+def _fit(target, params, result) -> dict:
+  return goodness_of_fit(exact_joint(target, PROMPT, params, 3),
+                         [r.tokens for r in result.responses])
 
 
 def _sample(target, proposer, params, n=N_SAMPLES):
@@ -89,35 +80,6 @@ def _sample(target, proposer, params, n=N_SAMPLES):
       num_slots=256, page_size=8, num_pages=512, max_seq_len=16, max_new_tokens=3,
       min_prefill_len=8, sampling=params, max_draft_tokens=2), proposer=proposer)
   return engine.generate([Request(PROMPT, i) for i in range(n)])
-
-
-def _tests(exact: dict, result) -> tuple[float, float, float, float]:
-  """(chi2, chi2 threshold, TV, TV threshold)."""
-  cells = sorted(exact)
-  index = {c: i for i, c in enumerate(cells)}
-  counts = np.zeros(len(cells))
-  outside = 0
-  for r in result.responses:
-    i = index.get(tuple(r.tokens))
-    if i is None:
-      outside += 1
-    else:
-      counts[i] += 1
-  p = np.asarray([exact[c] for c in cells])
-  n = len(result.responses)
-  exp = n * p
-  big = exp >= 5
-  obs_c = np.append(counts[big], counts[~big].sum() + outside)
-  exp_c = np.append(exp[big], exp[~big].sum())
-  keep = exp_c > 0
-  chi2 = float((((obs_c - exp_c) ** 2)[keep] / exp_c[keep]).sum()) + (
-      math.inf if outside and not exp[~big].sum() else 0.0)
-  df = int(keep.sum()) - 1
-  z = 3.09  # p = 0.001, Wilson–Hilferty
-  chi2_max = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-  tv = 0.5 * (np.abs(counts / n - p).sum() + outside / n)
-  tv_null = 0.5 * np.sum(np.sqrt(2 * p * (1 - p) / (math.pi * n)))
-  return chi2, chi2_max, tv, 1.5 * tv_null + 0.005
 
 
 FAST = [("uniform", 1.0, 1.0), ("point_mass_unlikely", 0.7, 1.0), ("sharper", 1.0, 0.9),
@@ -134,9 +96,9 @@ def target():
 def _check(target, kind, temperature, top_p):
   params = SamplingParams(temperature=temperature, top_p=top_p)
   res = _sample(target, _proposer(kind, target), params)
-  chi2, chi2_max, tv, tv_max = _tests(_exact(target, params), res)
-  assert chi2 < chi2_max, (kind, chi2, chi2_max)
-  assert tv < tv_max, (kind, tv, tv_max)
+  fit = _fit(target, params, res)
+  assert fit["chi2"] < fit["chi2_max"], (kind, fit)
+  assert fit["tv"] < fit["tv_max"], (kind, fit)
   m = res.metrics
   assert m["drafted_tokens"] > 0
   if kind == "q_equals_p":
@@ -162,8 +124,8 @@ def test_broken_sampler_is_detected(target, monkeypatch):
   monkeypatch.setattr(verifier, "residual_distribution", lambda p, q: p)
   params = SamplingParams(temperature=1.0)
   res = _sample(target, _proposer("sharper", target), params)
-  chi2, chi2_max, tv, tv_max = _tests(_exact(target, params), res)
-  assert chi2 > chi2_max and tv > tv_max, (chi2, chi2_max, tv, tv_max)
+  fit = _fit(target, params, res)
+  assert fit["chi2"] > fit["chi2_max"] and fit["tv"] > fit["tv_max"], fit
 
 
 def test_sd_logprobs_equal_teacher_forcing_and_rollback_leaves_exact_cache(target):
