@@ -79,10 +79,10 @@ def inverse_cdf(u: jax.Array, probs: jax.Array) -> jax.Array:
 
   Two levels: the masses of blocks of `CDF_BLOCK` ids pick a block, then the running
   sum inside that block picks the id, so only ``V / 128`` block sums and one block are
-  scanned (8 draws from 151,936 ids: 0.8 ms on 2 CPU cores, against 5 ms for a flat
-  running sum and 15 ms for the Gumbel-max trick), and the inner sums stay on the
-  scale of one block. Ids with zero probability are never returned, also when
-  rounding puts ``u·F(V-1)`` at or past the last step.
+  scanned (several times faster than a flat running sum over a 151k vocabulary, and
+  than the Gumbel-max trick), and the inner sums stay on the scale of one block. Ids
+  with zero probability are never returned, also when rounding puts ``u·F(V-1)`` at or
+  past the last step.
   """
   V = probs.shape[-1]
   C = min(CDF_BLOCK, V)

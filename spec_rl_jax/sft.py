@@ -74,10 +74,9 @@ class SFTConfig:
   ckpt_every: int = 100
 
 
-# The draft trains on the data alone: distilling the policy's logits (α = 0.5) cost 2x
-# the time and gave the same acceptance (measured: 0.944 vs 0.945 arithmetic, 0.810 vs
-# 0.811 countdown, `eval.draft_acceptance`); ``--teacher policy --distill_weight 0.5``
-# turns it on.
+# The draft trains on the data alone: distilling the policy's logits doubles the time
+# for no gain in acceptance (`eval.draft_acceptance`; docs/benchmarks.md);
+# ``--teacher policy --distill_weight 0.5`` turns it on.
 # ``long-*``: the long-response workload of bench/sparse.py and configs/counting_long.yaml
 # (not part of "all"). The policy's curriculum (tasks/counting.py; each stage checked
 # with ``python -m spec_rl_jax.eval --reference``, teacher-forced exactness):
@@ -86,12 +85,10 @@ class SFTConfig:
 #          number just written with the prompt's end number (uniform spans teach a
 #          length hazard instead, or, on short spans, a last-digit match);
 #   long   spans 2-500, flat hazard 1/250: the same at up to ~2,500 positions.
-# Measured (2 cores: 9 + 20 + 17 minutes), teacher-forced on 32 held-out problems of the
-# RL distribution (spans 100-500): greedy exact 19/32, p(sampling the reference) 0.38;
-# the previous two-stage recipe on uniform spans: 0/16, 3e-4.
-# One stage of 200 long steps from scratch left a policy at 96% token accuracy whose
-# sampled responses were garbage after a few dozen numbers. The draft only needs to be
-# likely, not exact: spans 5-50, then the RL distribution.
+# Stages, because one stage of long steps from scratch learns the tokens but not to
+# count for long (its samples fall apart after a few dozen numbers); the results of each
+# recipe are in docs/benchmarks.md. The draft only needs to be likely, not exact: spans
+# 5-50, then the RL distribution.
 _COUNT = dict(model="long-policy", data=("task:counting?min_span=2,max_span=8",),
               batch_size=128, max_len=80, pad_multiple=80, steps=300)
 _SHORT = dict(model="long-policy", init="long-policy-count", batch_size=16,

@@ -1,4 +1,4 @@
-"""Shared benchmark plumbing (see ../shared/BENCHMARKS.md).
+"""Shared benchmark plumbing: how every benchmark measures (docs/benchmarks.md).
 
 * `alternate`: warm-up, then A B A B ... repetitions of several systems; medians and
   the median of per-pair ratios against a baseline.

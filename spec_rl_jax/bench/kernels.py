@@ -11,8 +11,8 @@ Plus bytes-read accounting of sparse vs dense attention per slot and layer: dens
 reads every used page of K and V; sparse reads the ``B`` selected pages of K and V per
 KV head plus the key summaries (``k_min, k_max``) of every used page for the selection
 (``1 / Ps`` of the dense bytes). The timed cases report the pages actually selected.
-Timings follow BENCHMARKS.md: AOT compile timed apart, warm-up, then A B A B ...
-repetitions; medians and the median of per-pair ratios.
+Timings: AOT compile timed apart, warm-up, then A B A B ... repetitions; medians and the
+median of per-pair ratios.
 """
 
 from __future__ import annotations

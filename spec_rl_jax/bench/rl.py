@@ -113,8 +113,8 @@ def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]
   """``steps`` train steps of every trainer, alternating which goes first; each
   record also holds ``compiles``, the XLA compiles the step ran (a step whose rollout
   or update meets new shapes: the learner compiles its gradient once per micro-batch
-  length bucket, about 5 s each for the long-response policy on 2 CPU cores); the
-  trainer logs the seconds they took per phase (``time/<phase>_compile_s``)."""
+  length bucket); the trainer logs the seconds they took per phase
+  (``time/<phase>_compile_s``)."""
   bar = tqdm(disable=True)
   records = {name: [] for name in trainers}
   names = list(trainers)
@@ -161,7 +161,7 @@ def recipe_speedups(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
   pairs, each the median of the per-pair ratios.
 
   Throughput ratios take each phase's compile seconds out (`net_s`: compile time is
-  reported apart, never mixed into throughput, ../shared/BENCHMARKS.md): a short run's
+  reported apart, never mixed into throughput): a short run's
   warm steps still meet new shapes (micro-batch lengths, decode buckets) that a long
   run compiles once, and the SD engine's speculative rounds compile longer than AR
   steps. The wall-clock ratios with those compiles in are kept (``_incl_compile``).

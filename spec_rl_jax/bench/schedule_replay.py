@@ -11,8 +11,8 @@ bucket (compacted before the next call), exactly as `RolloutEngine.generate` dri
 preemptions and bytes). Each AR round of a fixed-shape batch costs the same whatever
 the number of busy slots, so *rounds* stand for time. A recompute restore re-prefills
 the sequence: it is charged ``length / RECOMPUTE_TOKENS_PER_ROUND`` rounds. Host work
-per call and the copies are not modelled (the engine measured 1-1.5 ms per offload +
-restore of 4-64 pages next to ~7 ms per round on 2 CPU cores).
+per call and the copies are not modelled (an offload + restore costs a fraction of one
+round: docs/benchmarks.md).
 
 Workloads: response lengths of the ``long-policy`` on the counting task (spans
 100-500, ``max_seq_len`` 2560, temperature 1, as in `bench.sparse`; recorded with the
@@ -49,9 +49,8 @@ from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig
 
 
-# The engine re-prefilling L tokens of the long-policy (8 slots, 2 CPU cores) took
-# 6.8 / 16 / 22 / 37 ms for L = 64 / 128 / 256 / 512 next to ~7 ms per decode round:
-# about one round per 64 tokens, or fewer.
+# Re-prefilling a sequence costs about one decode round per this many tokens, or less
+# (measured with the engine on the long policy: docs/benchmarks.md).
 RECOMPUTE_TOKENS_PER_ROUND = 64
 
 

@@ -242,7 +242,8 @@ def scheduler_part(policy, tok, quick, ps, base, kv_budget):
     fn()
   runs.clear()
   with CompileCounter() as compiles:
-    # 5 repetitions: single runs of the two policies differ by 3-5% on a shared machine
+    # 5 repetitions: single runs of the two policies differ by a few percent on a shared
+    # machine
     res = common.alternate(runners, reps=1 if quick else 5, warmup=0, baseline="naive")
   # kv_aware's length estimate takes in every earlier call's responses, so its schedule
   # (and the bytes it moves) can differ between repetitions: means, and each one.

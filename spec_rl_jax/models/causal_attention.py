@@ -12,16 +12,9 @@ recomputes ``P = exp(Q Kᵀ · scale + bias − lse)`` and forms
   ``dQ = dS K · scale``,  ``dK = dSᵀ Q · scale``,
 
 so no ``[B, H, C, S]`` probability tensor is stored between the passes and the masks
-are one additive bias. Measured on 2 CPU cores against autodiff through the softmax
-(the reference `attention.dot_product_attention` in the same blocks):
-
-  * attention alone, forward + backward, ``[4, 2048]`` tokens, 6 heads of 32: 0.67 ->
-    0.50 s per layer;
-  * gradient of the long-response policy (4 layers) on ``[4, 2048]``: 4.2 -> 3.1 s,
-    compile and first run 9.7 -> 7.7 s;
-  * the learner update of ``configs/counting_long.yaml`` (AR, the same 16 responses of
-    about 1,100 tokens per step): 10.6 / 11.3 / 8.4 -> 8.1 / 8.9 / 7.1 s on
-    compile-free steps; the CPU default's update unchanged (2.7 s).
+are one additive bias. That makes the gradient of long sequences cheaper than autodiff
+through the softmax (the reference `attention.dot_product_attention` in the same
+blocks) and leaves short ones unchanged (docs/benchmarks.md, training attention).
 
 Shape legend: ``B`` batch, ``T`` tokens, ``C`` query rows of a block, ``S`` keys of a
 block, ``H`` query heads, ``K`` KV heads, ``G = H // K``, ``Dh`` head dim.
@@ -34,8 +27,8 @@ import jax.numpy as jnp
 
 NEG_INF = -1e30  # finite: a fully masked row gives a uniform (then zeroed) row, no NaN
 
-# Query rows per block. Gradient of the policy above on [4, 2048]: 3.1 s at 256 rows
-# (compile 7.7 s), 2.8 s at 128 (compile 10.0 s); attention alone 0.63 s at 512.
+# Query rows per block: smaller blocks skip more masked keys but unroll into more
+# blocks to compile; 256 runs nearly as fast as 128 and compiles faster.
 QUERY_BLOCK = 256
 
 

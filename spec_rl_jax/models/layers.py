@@ -10,12 +10,9 @@ weights are stored output-major, as ``nn.Linear`` stores them (``q: [H, Dh, D]``
 are the input. `project` runs each projection as one 2-D matmul (head dims merged by a
 free reshape), on that layout or on an input-major inference copy
 (`layout.CpuLayerCopies`: ``q: [D, H, Dh]``, ``o: [H, Dh, D]``, ``gate: [D, F]``,
-``input_major`` metadata). Which layout XLA:CPU reads faster depends on the rows: the
-bench model's projections (12 layers + LM head) on an AMD EPYC (2 cores) took 16.5 vs
-18.5 ms at 1 row output- vs input-major, but 36.4 vs 28.5 at 2 rows, 45.7 vs 33.9 at 8
-and 109.1 vs 87.5 at 32 (the projections as separate per-layer arrays, best of 5). An
-earlier measurement on a Xeon found output-major faster at 32 rows (a decode forward
-47.8 vs 62.1 ms), so the split is a measured default, not a law.
+``input_major`` metadata). Which layout XLA:CPU reads faster depends on the number of
+matmul rows and on the CPU, so the split between the two is a measured default, not a
+law (docs/benchmarks.md, CPU inference layout).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ model, proposer and learner code never branch on the backend.
   `CpuLayerCopies`   per-layer copies of the layer weights, run as an unrolled loop:
                      XLA:CPU copies a layer's weights out of the stacked arrays before
                      each matmul (a scan's dynamic slice, or an unrolled loop's static
-                     slice), which made decoding 2-3x slower than separate per-layer
+                     slice), which makes decoding much slower than separate per-layer
                      buffers. From `INPUT_MAJOR_MIN_ROWS` matmul rows the projections
                      are copied input-major (models/layers.py `project`).
 

@@ -275,11 +275,10 @@ def micro_batches(mb: dict[str, np.ndarray], m: int) -> list[dict[str, np.ndarra
   (no loss weight), so the accumulated gradient is the untrimmed one.
 
   Groups: all ``k / m`` micro-batches in one when they share one width (short responses:
-  the default recipe's 4 micro-batches take 2.9-3.0 s scanned, 3.3-3.7 s as 4 calls),
-  else one each. So a run compiles at most 2 x `BUCKETS` shapes. Power-of-two groups of
-  every run of equal widths made that 3 x `BUCKETS`: on the long recipe's lengths
-  (simulated) 10.2 shapes, the last one met at step 25 on average, against 6.0 met by
-  step 5 now (each compile about 5 s there).
+  one scanned call is faster than one call each), else one each. So a run compiles at
+  most 2 x `BUCKETS` gradient shapes and meets them early (power-of-two groups of every
+  run of equal widths would give up to 3 x `BUCKETS`, met over many more steps:
+  docs/benchmarks.md, learner micro-batch grouping).
   """
   lengths = mb["valid"].sum(axis=1)
   order = np.argsort(-lengths, kind="stable")

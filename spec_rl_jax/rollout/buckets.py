@@ -26,7 +26,8 @@ def pow2(n: int) -> int:
 
 def slot_bucket(num_slots: int, n: int) -> int:
   """The fewest slots ``S / 4^j >= n``: a quarter of the rows or less for a batch's tail,
-  with few compiled variants (powers of two made long runs keep compiling new pairs)."""
+  with few compiled variants (powers of two would let a long run keep meeting new
+  ``(S_c, M_c)`` pairs to compile)."""
   S = num_slots
   while S % 4 == 0 and S // 4 >= n:
     S //= 4

@@ -58,9 +58,9 @@ import numpy as np
 from spec_rl_jax.rollout.paged_cache import PagePool
 
 
-# Counters every rollout reports (RolloutResult.metrics), zero when nothing happened.
 LENGTH_HISTORY = 1024  # latest finished response lengths the length model uses
 
+# Counters every rollout reports (RolloutResult.metrics), zero when nothing happened.
 SCHEDULER_STATS = ("admission_waits", "reclaimed_pages", "preemptions", "offloads",
                    "recomputes", "restores", "offload_bytes", "restore_bytes",
                    "recompute_tokens", "slot_moves")
@@ -72,15 +72,13 @@ class SchedulerConfig:
 
   policy: str = "kv_aware"  # kv_aware | naive (registered in `POLICIES`)
   grow_tokens: int = 256  # KV room added per growth (a chunk)
-  # kv_aware: fraction of the pool kept free for hysteresis (0.02: replaying recorded
-  # response lengths through 59 workloads, 0.05 cost 1-2% throughput for 0-6% fewer
-  # bytes, 0 gained 1% throughput for 2-6% more bytes)
+  # kv_aware: fraction of the pool kept free for hysteresis: more moves fewer bytes at
+  # some throughput (`bench.schedule_replay` compares values; docs/benchmarks.md)
   watermark: float = 0.02
-  # kv_aware: victims up to this length are recomputed instead of offloaded (moving no
-  # bytes: a 256-token prefill of the long-policy costs ~3 of its decode rounds on 2 CPU
-  # cores; `bench.schedule_replay` charges it and sweeps this value: on responses of
-  # ~450-2,500 tokens, 256 / 512 / 1024 moved 1.8 / 3.3 / 57x fewer bytes than naive
-  # at 1.007 / 1.002 / 0.995 of its throughput, warm geometric means over 41 workloads)
+  # kv_aware: victims up to this length are recomputed instead of offloaded: a
+  # recompute moves no bytes but re-prefills the sequence, which costs a few decode
+  # rounds for a few hundred tokens (`bench.schedule_replay` charges it and sweeps this
+  # value; docs/benchmarks.md)
   recompute_max_tokens: int = 512
 
   def __post_init__(self):
@@ -152,9 +150,8 @@ def _kv_aware_admit(s: "Scheduler", seq: SeqState, pages: int) -> bool:
 
 def _kv_aware_fill(s: "Scheduler", seq: SeqState, pages: int) -> bool:
   # Preempted sequences wait for the admission rule; a newcomer keeps a slot busy
-  # meanwhile. Replaying recorded lengths (bench.schedule_replay, 118 runs, offload
-  # only): throughput vs naive 0.99 -> 1.02-1.03 over leaving the slot empty, 4% more
-  # bytes moved.
+  # meanwhile (more throughput than leaving the slot empty, for a few more bytes moved
+  # when it is preempted in turn).
   return s.pool.num_free >= pages + s.watermark_pages
 
 

@@ -108,14 +108,15 @@ class RolloutResult:
   speculative slot-rounds), ``acceptance_at`` (per draft position: fraction of
   speculative slot-rounds whose draft ``i`` was accepted), ``rounds_at_k`` (device
   rounds per chosen draft length ``k``), ``controller`` (the `SpecController`'s own
-  counters over the call), ``resyncs`` (proposer re-prefills after calls
-  with ``k = 0``), ``emitted_tokens``, ``prefills``, ``device_calls``,
-  ``admission_waits``, ``wall_s``, ``decode_s`` (seconds in the device loop of rounds,
-  dispatch and any compile included; the rest of ``wall_s`` is prefill and host work),
+  counters over the call), ``resyncs`` (proposer re-prefills after calls with
+  ``k = 0``), ``emitted_tokens``, ``prefills``, ``device_calls``, ``wall_s``,
+  ``decode_s`` (seconds in the device loop of rounds, dispatch and any compile
+  included; the rest of ``wall_s`` is prefill and host work),
   ``tokens_per_s``, ``slot_utilization`` (busy slot-rounds / (rounds x slots)) and
   ``utilization_trace`` (per device call: ``(rounds, busy fraction)``), the scheduler's
-  ``preemptions``, ``offloads``, ``recomputes``, ``restores``, ``offload_bytes``,
-  ``restore_bytes``, ``recompute_tokens`` (rollout/scheduler.py).
+  ``admission_waits``, ``reclaimed_pages``, ``preemptions``, ``offloads``,
+  ``recomputes``, ``restores``, ``offload_bytes``, ``restore_bytes``,
+  ``recompute_tokens`` and ``slot_moves`` (rollout/scheduler.py).
   """
 
   responses: list[Response]

@@ -16,7 +16,7 @@ stops with probability h (truncated at ``max_span``). The start is uniform in
 
 Why the geometric option exists (the long policy's SFT, sft.py): with uniform spans a
 small model learns to stop by length (at the true end the stop token gets the hazard of
-the span distribution, log p = -4.4 on spans 2-100), or, on short spans, at the first
+the span distribution), or, on short spans, at the first
 number whose last digit matches the end number's. Under a flat hazard the count so far
 says nothing about the stop, so only comparing the number just written with the
 prompt's end number lowers the loss.

@@ -20,9 +20,8 @@ the rejection sampler makes the output exactly the policy's whatever the budget.
 
 Selection is chosen at draft step 0 and reused for the round's remaining steps (the
 default), or refreshed at every draft step with that step's own queries
-(``reselect=True``). Reuse skips the per-step scoring of every page's key bounds and
-loses no acceptance: in ``bench.sparse`` (K = 4, budget 25%, responses of ~450-2,500
-tokens) it ran 1.12x faster than per-step selection at acceptance length 4.91 vs 4.92.
+(``reselect=True``). Reuse skips the per-step scoring of every page's key bounds and,
+in ``bench.sparse``, loses no acceptance (docs/benchmarks.md).
 
 Shape legend: ``S`` slots, ``K`` draft length, ``L`` layers, ``H`` query heads, ``Hk``
 KV heads, ``G = H // Hk``, ``Dh`` head dim, ``M`` pages per slot, ``B`` selected pages,
