@@ -4,8 +4,8 @@ programs across runs (`use_persistent_cache`).
 The trainer logs each phase's compile seconds (``time/rollout_compile_s``,
 ``time/update_compile_s``): a step that meets new shapes (a new micro-batch length for
 the gradient, a new decode bucket) spends them on top of its work, and benchmarks take
-them out of throughput (../shared/BENCHMARKS.md). Tests use the count to show that
-warm calls compile nothing.
+them out of throughput (a long run compiles each shape once). Tests use the count to
+show that warm calls compile nothing.
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ from spec_rl_jax.checkpoint import cache_dir
 
 def use_persistent_cache() -> str | None:
   """Keeps compiled XLA programs on disk, so a rerun or a ``--resume`` loads most of
-  them instead of compiling (CPU default, 2 steps: 48 s -> 23 s, step 1's compile
-  seconds 31 -> 7). The directory is ``$SPEC_RL_JAX_XLA_CACHE``, else ``<model
+  them instead of compiling. The directory is ``$SPEC_RL_JAX_XLA_CACHE``, else ``<model
   cache>/xla``; an empty ``$SPEC_RL_JAX_XLA_CACHE`` turns it off; a
   ``jax_compilation_cache_dir`` already set (``$JAX_COMPILATION_CACHE_DIR``) wins. Call
   before anything compiles. Returns the directory in use (``None``: off).
