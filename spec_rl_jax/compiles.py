@@ -33,9 +33,10 @@ def use_persistent_cache() -> str | None:
 
 
 class CompileCounter:
-  """Counts XLA backend compiles while the context is active (``count``), and the
-  seconds spent compiling (``seconds``: tracing to a jaxpr, lowering to MLIR and the
-  backend compile, so persistent-cache hits count their tracing and lowering too)."""
+  """Counts the XLA executables built while the context is active (``count``: JAX times
+  a persistent-cache load as a backend compile, so loads count too and "nothing
+  compiled" holds with or without a cache), and the seconds spent on them (``seconds``:
+  tracing to a jaxpr, lowering to MLIR and the backend compile or cache load)."""
 
   _EVENT = "/jax/core/compile/backend_compile_duration"
   _TIMED = (_EVENT, "/jax/core/compile/jaxpr_trace_duration",

@@ -38,17 +38,17 @@ def chi2_stat(counts: np.ndarray, probs: np.ndarray, outside: int = 0) -> tuple[
 def exact_joint(model, prompt: Sequence[int], params: SamplingParams,
                 depth: int) -> dict[tuple[int, ...], float]:
   """``{token tuple: probability}`` of the first ``depth`` sampled tokens after
-  ``prompt``, enumerated by teacher-forced forwards of ``model`` (float64 products)."""
+  ``prompt``, enumerated by teacher forcing: one batched forward of ``model`` per depth
+  over every prefix in the support (float64 products)."""
   out = {(): 1.0}
   for _ in range(depth):
-    nxt = {}
-    for prefix, pr in out.items():
-      seq = jnp.asarray([list(prompt) + list(prefix)])
-      logits = model(seq, jnp.arange(seq.shape[1])[None]).logits[0, -1]
-      p = np.exp(np.asarray(process_logits(logits, params), np.float64))
-      for t in np.flatnonzero(p > 0):
-        nxt[prefix + (int(t),)] = pr * p[t]
-    out = nxt
+    prefixes = list(out)
+    seq = jnp.asarray([list(prompt) + list(prefix) for prefix in prefixes])  # [N, T]
+    positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
+    logits = model(seq, positions).logits[:, -1]  # [N, V]
+    p = np.exp(np.asarray(process_logits(logits, params), np.float64))
+    out = {prefix + (int(t),): out[prefix] * p[i, t]
+           for i, prefix in enumerate(prefixes) for t in np.flatnonzero(p[i] > 0)}
   return out
 
 

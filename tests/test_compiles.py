@@ -38,3 +38,30 @@ def test_compile_counter_counts_compiles_and_their_seconds():
     f(x).block_until_ready()
   assert first.count == 1 and first.seconds > 0
   assert again.count == 0 and again.seconds == 0
+
+
+def test_compile_counter_counts_persistent_cache_loads(tmp_path):
+  """A program loaded from the persistent cache is built all the same: counted (so a
+  "nothing compiled" assertion cannot pass because the cache answered)."""
+  from jax.experimental.compilation_cache import compilation_cache as cc
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  f = jax.jit(lambda x: jnp.cos(x) @ x.T + 3.0)
+  x = jnp.ones((24, 24))
+  cc.reset_cache()
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # keep even this one
+  try:
+    with CompileCounter() as compiled:
+      f(x).block_until_ready()
+    jax.clear_caches()  # forget the in-memory executable: the next call reads the disk
+    with CompileCounter() as loaded:
+      f(x).block_until_ready()
+    with CompileCounter() as warm:
+      f(x).block_until_ready()
+  finally:
+    cc.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+  assert os.listdir(tmp_path)  # the program was written
+  assert compiled.count == loaded.count == 1 and warm.count == 0

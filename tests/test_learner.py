@@ -119,7 +119,9 @@ def test_update_reports_the_positions_it_computes():
   assert metrics["positions_computed_frac"] == want / (N * (PROMPT + RESPONSE)) < 1
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 2, 4), (2, 2, 2)], ids=str)
+@pytest.mark.parametrize("mesh_shape", [(1, 2, 4),
+                                        pytest.param((2, 2, 2), marks=pytest.mark.slow)],
+                         ids=str)
 def test_sharded_mesh_gradient_matches_single_device(reference, mesh_shape):
   cfg = dataclasses.replace(LEARNER, micro_batch_size=4)
   _assert_same(_gradients(cfg, mesh_shape), reference)

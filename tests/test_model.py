@@ -107,6 +107,7 @@ def test_inference_weight_layouts_match_the_stacked_forward(rows):
                              atol=2e-5)
 
 
+@pytest.mark.slow
 def test_hidden_layers_and_remat():
   cfg = get_preset("tiny-qwen3").replace(num_layers=3)
   model = init_decoder(cfg, seed=2)
@@ -168,7 +169,7 @@ def test_blocked_attention_equals_unblocked(monkeypatch):
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
-@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("block", [4, pytest.param(16, marks=pytest.mark.slow)])
 def test_causal_attention_gradients_match_autodiff_reference(monkeypatch, block):
   """The recomputing backward of `causal_attention` (GQA, padding on both sides, blocks
   of 4 rows or one block) equals autodiff through the reference softmax attention with

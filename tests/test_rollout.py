@@ -147,6 +147,7 @@ def test_no_recompile_across_refills():
   assert m["device_calls"] > 1 and 0 < m["decode_s"] < m["wall_s"]
 
 
+@pytest.mark.slow
 def test_pallas_kernel_in_the_engine_matches_xla(monkeypatch):
   """The engine through the Pallas verification kernel (interpret mode on CPU) emits
   the same greedy tokens as through the XLA reference; ``pallas`` without interpret

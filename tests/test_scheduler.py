@@ -58,8 +58,11 @@ def _same(a, b):
     np.testing.assert_allclose(x.policy_logprobs, y.policy_logprobs, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+@pytest.mark.parametrize("policy,sampling", [
+    pytest.param("kv_aware", SAMPLED, id="kv_aware-sampled"),
+    pytest.param("kv_aware", GREEDY, id="kv_aware-greedy", marks=pytest.mark.slow),
+    pytest.param("naive", SAMPLED, id="naive-sampled", marks=pytest.mark.slow),
+    pytest.param("naive", GREEDY, id="naive-greedy", marks=pytest.mark.slow)])
 def test_tight_budget_same_outputs_as_unlimited(target, sampling, policy):
   reqs = _requests()
   free = _engine(target, 400, sampling).generate(reqs)
@@ -77,6 +80,7 @@ def test_tight_budget_same_outputs_as_unlimited(target, sampling, policy):
   assert (m["reclaimed_pages"] > 0) == (policy == "kv_aware")
 
 
+@pytest.mark.slow
 def test_offload_only_and_recompute_only(target):
   """Both preemption modes on their own give the unlimited-budget outputs."""
   reqs = _requests(seed=1)
@@ -87,7 +91,8 @@ def test_offload_only_and_recompute_only(target):
     assert tight.metrics[mode] == tight.metrics["preemptions"] > 0
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+@pytest.mark.parametrize("policy", [
+    "kv_aware", pytest.param("naive", marks=pytest.mark.slow)])
 def test_speculative_rounds_under_tight_budget(target, policy, monkeypatch):
   """Draft-model SD: its own KV pools are offloaded with the policy's, and reclaimed
   room is cut behind the rows the last round's rejected drafts wrote. Room a victim
@@ -116,7 +121,7 @@ def test_speculative_rounds_under_tight_budget(target, policy, monkeypatch):
     assert any(held > filled for held, filled, _ in seen)
 
 
-@pytest.mark.parametrize("K", [0, 3])
+@pytest.mark.parametrize("K", [0, pytest.param(3, marks=pytest.mark.slow)])
 def test_decode_calls_run_only_the_busy_slots_and_page_columns(target, monkeypatch, K):
   """Each decode call runs ``S_c`` = S / 4^j >= highest running slot + 1 slots (as requests
   finish, running rows move to the lowest free slots) and reads ``M_c`` = pow2(most
@@ -280,7 +285,8 @@ def test_new_requests_fill_free_slots_while_a_preempted_sequence_waits(policy):
   assert list(s.preempted) == [a] and s.pool.num_free == 1
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "naive"])
+@pytest.mark.parametrize("policy", [
+    "kv_aware", pytest.param("naive", marks=pytest.mark.slow)])
 def test_schedule_replay_reproduces_the_engine(target, policy):
   """bench.schedule_replay drives the same Scheduler host-only from the response
   lengths: the same rounds, device calls, preemptions and bytes as the engine (AR),

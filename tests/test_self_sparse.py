@@ -29,7 +29,8 @@ def _sparse(target, reselect=True, **budget):
   return proposer
 
 
-@pytest.mark.parametrize("K,reselect", [(2, True), (4, False)])
+@pytest.mark.parametrize("K,reselect", [(2, True),
+                                        pytest.param(4, False, marks=pytest.mark.slow)])
 def test_greedy_self_sparse_equals_ar(target, greedy_ar, K, reselect):
   """A tight budget (1 sink + 1 window page of 8 tokens, no top-k: a fraction of the
   context for most of the run), continuous batching with 9 requests in 4 slots."""
@@ -44,7 +45,8 @@ def test_greedy_self_sparse_equals_ar(target, greedy_ar, K, reselect):
 
 
 @pytest.mark.parametrize("budget", [dict(n_sink=1, n_window=1, fraction=1.0),
-                                    dict(n_sink=1, n_window=2, pages=12)],
+                                    pytest.param(dict(n_sink=1, n_window=2, pages=12),
+                                                 marks=pytest.mark.slow)],
                          ids=["fraction_1", "all_pages"])
 def test_budget_covering_context_accepts_every_draft(target, greedy_ar, budget):
   """Sparse = dense: with every page selected the draft is the policy itself."""

@@ -82,8 +82,9 @@ def _sample(target, proposer, params, n=N_SAMPLES):
   return engine.generate([Request(PROMPT, i) for i in range(n)])
 
 
-FAST = [("uniform", 1.0, 1.0), ("point_mass_unlikely", 0.7, 1.0), ("sharper", 1.0, 0.9),
-        ("q_equals_p", 0.7, 0.9)]
+# The default tier: a deterministic drafter (q = point mass) and a stochastic one with
+# top-p (residual over a truncated support); the rest of the grid is slow.
+FAST = [("point_mass_unlikely", 0.7, 1.0), ("sharper", 1.0, 0.9)]
 ALL = [(k, t, tp) for k in ("uniform", "point_mass_unlikely", "sharper", "q_equals_p")
        for t in (0.7, 1.0) for tp in (1.0, 0.9)]
 
@@ -123,7 +124,8 @@ def test_broken_sampler_is_detected(target, monkeypatch):
   output towards the drafts' rejected mass; both statistics must catch it."""
   monkeypatch.setattr(verifier, "residual_distribution", lambda p, q: p)
   params = SamplingParams(temperature=1.0)
-  res = _sample(target, _proposer("sharper", target), params)
+  # A third of the exactness tests' samples: caught here, so caught there.
+  res = _sample(target, _proposer("sharper", target), params, n=N_SAMPLES * 3 // 10)
   fit = _fit(target, params, res)
   assert fit["chi2"] > fit["chi2_max"] and fit["tv"] > fit["tv_max"], fit
 

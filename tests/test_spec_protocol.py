@@ -323,7 +323,8 @@ MESHES = [pytest.param((1, 2, 2), id="1x2x2"),
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES)
-@pytest.mark.parametrize("name", ["draft_model", "ngram", "self_sparse"])
+@pytest.mark.parametrize("name", ["draft_model", pytest.param("ngram", marks=pytest.mark.slow),
+                                  pytest.param("self_sparse", marks=pytest.mark.slow)])
 def test_drafters_on_the_mesh(mesh_policy, single_device_runs, mesh_shape, name):
   """Policy, drafter weights and every KV pool sharded on the mesh: greedy SD equals
   greedy AR; sampled tokens equal the single-device run's, logprobs within 1e-5 (see

@@ -34,7 +34,7 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
     assert r["rollout/response_len"] >= 1
     assert r["train/skipped"] == 0
     assert np.isfinite(r["train/loss"])
-    # Invariant 2: the trainer recomputes the rollout's logprobs to float tolerance
+    # The learner recomputes the rollout's logprobs to float tolerance
     # (step 1: same params; later steps too, since the engine got the new weights).
     assert r["train/logprob_gap"] < 1e-3
     fractions = [r[f"spec/k_frac/{k}"] for k in range(K_max + 1)]

@@ -12,11 +12,10 @@ import json
 import os
 from collections.abc import Mapping
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from tensorboardX import SummaryWriter  # noqa: E402
+# A bare Figure renders without pyplot's global backend, so importing this module leaves
+# a notebook's inline plotting alone.
+from matplotlib.figure import Figure
+from tensorboardX import SummaryWriter
 
 METRICS_FILE = "metrics.jsonl"
 PLOTS = (("rollout/reward_mean", "reward.png"),
@@ -72,7 +71,8 @@ def plot_curves(run_dir: str) -> list[str]:
     points = [(r["step"], r[key]) for r in records if key in r]
     if not points:
       continue
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig = Figure(figsize=(5, 3.2))
+    ax = fig.subplots()
     ax.plot(*zip(*points), marker=".")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
@@ -80,6 +80,5 @@ def plot_curves(run_dir: str) -> list[str]:
     fig.tight_layout()
     path = os.path.join(run_dir, name)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     paths.append(path)
   return paths
