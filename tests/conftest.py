@@ -1,12 +1,18 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity, unoptimised
+XLA CPU code generation."""
 
 import os
 
+# Compiling dominates the tests (tiny models, many program shapes): LLVM's unoptimised
+# code compiles faster and the programs still run in milliseconds. Optimised builds are
+# what users run; the tests check semantics, comparing programs built the same way.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+                           + " --xla_force_host_platform_device_count=8"
+                           + " --xla_backend_optimization_level=0"
+                           + " --xla_llvm_disable_expensive_passes=true")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA cache in tests (train.main would turn it on): a program loaded from
-# disk is not compiled, and the tests count compiles.
+# The trainer's persistent XLA cache (train.main turns it on) would write into the
+# user's model cache; tests that want one point it at a temporary directory.
 os.environ["SPEC_RL_JAX_XLA_CACHE"] = ""
 
 import jax  # noqa: E402

@@ -89,8 +89,10 @@ def greedy_ar(models):
                      eos_ids=(11,)).generate(GREEDY_REQS)
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("kind,K", [
+    ("draft_model", 1), ("ngram", 3),
+    pytest.param("draft_model", 3, marks=pytest.mark.slow),
+    pytest.param("ngram", 1, marks=pytest.mark.slow)])
 def test_greedy_sd_equals_greedy_ar(models, greedy_ar, kind, K):
   target, draft = models
   ar = greedy_ar
