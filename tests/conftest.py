@@ -1,15 +1,9 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity, unoptimised
-XLA CPU code generation."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity."""
 
 import os
 
-# Compiling dominates the tests (tiny models, many program shapes): LLVM's unoptimised
-# code compiles faster and the programs still run in milliseconds. Optimised builds are
-# what users run; the tests check semantics, comparing programs built the same way.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8"
-                           + " --xla_backend_optimization_level=0"
-                           + " --xla_llvm_disable_expensive_passes=true")
+                           + " --xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The trainer's persistent XLA cache (train.main turns it on) would write into the
 # user's model cache; tests that want one point it at a temporary directory.
