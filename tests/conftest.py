@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity; the
+speculative tests' shared target and its greedy AR outputs, built once per session."""
 
 import os
 
@@ -12,3 +13,20 @@ os.environ["SPEC_RL_JAX_XLA_CACHE"] = ""
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+import pytest  # noqa: E402
+
+from tests import spec_fixtures  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def spec_target(tmp_path_factory):
+  """The tiny HF-built target of the speculative-decoding tests."""
+  return spec_fixtures.build_target(str(tmp_path_factory.mktemp("spec_target")))
+
+
+@pytest.fixture(scope="session")
+def greedy_ar(spec_target):
+  """Greedy AR outputs of `spec_target` on `GREEDY_REQS`: what greedy SD must equal."""
+  return spec_fixtures.engine(spec_target, None, 0, 4, sampling=spec_fixtures.GREEDY,
+                              eos_ids=(11,)).generate(spec_fixtures.GREEDY_REQS)

@@ -8,19 +8,14 @@ from spec_rl_jax.rollout.types import Request
 from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.spec.proposers.self_sparse import SelfSparseConfig, SelfSparseProposer
 from spec_rl_jax.spec.proposers.self_sparse import PageBudget
-from tests.spec_fixtures import GREEDY, GREEDY_REQS, build_target
+from tests.spec_fixtures import GREEDY, GREEDY_REQS
 from tests.spec_fixtures import engine as make_engine
 from tests.stats import exact_joint, goodness_of_fit
 
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-  return build_target(str(tmp_path_factory.mktemp("target")))
-
-
-@pytest.fixture(scope="module")
-def greedy_ar(target):
-  return make_engine(target, None, 0, 4, sampling=GREEDY, eos_ids=(11,)).generate(GREEDY_REQS)
+def target(spec_target):
+  return spec_target
 
 
 def _sparse(target, reselect=True, **budget):

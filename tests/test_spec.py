@@ -8,7 +8,6 @@ import pytest
 import tokenizers
 from flax import nnx
 
-from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.rollout.types import Request
 from spec_rl_jax.sampling import SamplingParams, process_logits
@@ -16,7 +15,7 @@ from spec_rl_jax.spec.proposers import build_proposer
 from spec_rl_jax.spec.proposers.draft_model import (DraftModelConfig, DraftModelProposer,
                                                     check_tokenizers_match)
 from spec_rl_jax.spec.verifier import verify
-from tests.spec_fixtures import GREEDY, GREEDY_REQS, V, build_target
+from tests.spec_fixtures import GREEDY, GREEDY_REQS, V
 from tests.spec_fixtures import engine as make_engine
 from tests.stats import chi2_quantile, chi2_stat, exact_joint, goodness_of_fit
 
@@ -67,11 +66,10 @@ def test_verifier_greedy_accepts_iff_argmax():
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-  d = str(tmp_path_factory.mktemp("target"))
-  target = build_target(d)
+def models(spec_target):
+  target = spec_target
   # A draft that agrees with the target often but not always: perturbed weights.
-  draft = hf_io.load_hf_checkpoint(d, load_tokenizer=False)[0]
+  draft = nnx.clone(target)
   noise = jax.tree.map(lambda x: x + 0.08 * jax.random.normal(jax.random.key(5), x.shape),
                        nnx.state(draft, nnx.Param))
   nnx.update(draft, noise)
@@ -81,12 +79,6 @@ def models(tmp_path_factory):
 def _proposer(kind, draft):
   return (DraftModelProposer(DraftModelConfig(), draft) if kind == "draft_model"
           else build_proposer("ngram", draft, max_ngram=3, reference_len=64))
-
-
-@pytest.fixture(scope="module")
-def greedy_ar(models):
-  return make_engine(models[0], None, 0, 4, sampling=GREEDY,
-                     eos_ids=(11,)).generate(GREEDY_REQS)
 
 
 @pytest.mark.parametrize("kind,K", [
