@@ -28,7 +28,8 @@ import yaml
 from spec_rl_jax import data
 from spec_rl_jax.rl.advantages import ADVANTAGES, PAIRED_AGGREGATIONS, default_aggregation
 from spec_rl_jax.spec import proposers
-from spec_rl_jax.rl.losses import AGGREGATIONS, POLICY_LOSSES
+from spec_rl_jax.rl.losses import (AGGREGATIONS, DISTILL_LOSSES, DRAFT_WEIGHTINGS,
+                                   POLICY_LOSSES)
 
 LONG_PROMPT_POLICIES = ("skip", "error")
 
@@ -53,6 +54,41 @@ class PolicyConfig:
   path: str = "policy"
   mesh: tuple[int, ...] = (1, 1, 1)  # (data, fsdp, tensor)
   distributed: bool = False  # multi-host: jax.distributed.initialize() from the env
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterTrainConfig:
+  """Online distillation of the drafter from the policy, in the learner's update
+  (rl/learner.py; losses and weightings in rl/losses.py).
+
+  ``every``: train the drafter on every ``every``-th step's rollouts (0: frozen).
+  ``loss_weight`` is λ in ``L = L_policy + λ·L_draft``; the teacher is stop-gradient, so
+  with a drafter of its own parameters λ only scales the drafter's gradient (its own
+  Adam state makes that nearly a no-op); it matters for drafters sharing the policy's
+  parameters. The optimizer fields mean what the learner's do.
+  """
+
+  every: int = 0
+  loss: str = "forward_kl"  # a key of rl.losses.DISTILL_LOSSES
+  weighting: str = "uniform"  # a key of rl.losses.DRAFT_WEIGHTINGS
+  reward_temperature: float = 1.0  # τ_r of the ``reward`` weighting
+  loss_weight: float = 1.0  # λ
+  lr: float = 1e-4
+  warmup_steps: int = 0
+  weight_decay: float = 0.0
+  clip_norm: float = 1.0
+  b1: float = 0.9
+  b2: float = 0.99
+
+  def __post_init__(self):
+    _check_choice("drafter.train.loss", self.loss, DISTILL_LOSSES)
+    _check_choice("drafter.train.weighting", self.weighting, DRAFT_WEIGHTINGS)
+    for name in ("every", "loss_weight", "warmup_steps", "weight_decay"):
+      if getattr(self, name) < 0:
+        raise ConfigError(f"drafter.train.{name} must be >= 0, got {getattr(self, name)}")
+    for name in ("reward_temperature", "lr", "clip_norm"):
+      if not getattr(self, name) > 0:
+        raise ConfigError(f"drafter.train.{name} must be > 0, got {getattr(self, name)}")
 
 
 def _drafter_post_init(self) -> None:
@@ -87,14 +123,16 @@ def _drafter_k_max(self) -> int:
 
 # Speculative rollouts: ``num_draft_tokens`` drafts per round from ``proposer`` (0 = plain
 # AR; ``auto``: each decode call picks 0..``max_draft_tokens``, spec/adaptive.py), and
-# one section per registered proposer holding its own frozen ``Config``
+# online training of the drafter (``train``), and one section per registered proposer
+# holding its own frozen ``Config``
 # (``drafter: {proposer: ngram, num_draft_tokens: 4, ngram: {max_ngram: 4}}``), so a
 # new proposer registers its options without an edit here.
 DrafterConfig = dataclasses.make_dataclass(
     "DrafterConfig",
     [("proposer", str, dataclasses.field(default="draft_model")),
      ("num_draft_tokens", int | str, dataclasses.field(default="auto")),
-     ("max_draft_tokens", int, dataclasses.field(default=4))]
+     ("max_draft_tokens", int, dataclasses.field(default=4)),
+     ("train", DrafterTrainConfig, dataclasses.field(default=DrafterTrainConfig()))]
     + [(name, cls.Config, dataclasses.field(default=cls.Config()))
        for name, cls in sorted(proposers.registry().items())],
     frozen=True,

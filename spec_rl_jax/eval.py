@@ -32,10 +32,9 @@ import numpy as np
 from flax import nnx
 
 from spec_rl_jax import checkpoint, data
-from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.tokenizer import Tokenizer
-from spec_rl_jax.models.transformer import Decoder
-from spec_rl_jax.rl import rewards
+from spec_rl_jax.models.transformer import Decoder, teacher_forced
+from spec_rl_jax.rl import losses, rewards
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
@@ -141,8 +140,7 @@ def evaluate_model(model: Decoder, tokenizer: Tokenizer, sources: Sequence[data.
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _logits(graphdef, state, tokens, valid):
   """``logits[B, T, V]`` of right-padded ``tokens[B, T]``."""
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  return nnx.merge(graphdef, state)(tokens, positions, cache=NoCache(valid=valid)).logits
+  return teacher_forced(graphdef, state, tokens, valid).logits
 
 
 def draft_acceptance(engine: RolloutEngine, draft: Decoder, policy: Decoder,
@@ -163,9 +161,9 @@ def draft_acceptance(engine: RolloutEngine, draft: Decoder, policy: Decoder,
   for b, (p, s) in enumerate(zip(prompts, seqs)):
     tokens[b, :len(s)], valid[b, :len(s)] = s, True
     mask[b, len(p) - 1:len(s) - 1] = True
-  p = jax.nn.softmax(_logits(*nnx.split(policy), tokens, valid))  # [B, T, V]
-  q = jax.nn.softmax(_logits(*nnx.split(draft), tokens, valid))
-  alpha = np.asarray(jnp.minimum(p, q).sum(-1))[mask]
+  p = _logits(*nnx.split(policy), tokens, valid)  # [B, T, V]
+  q = _logits(*nnx.split(draft), tokens, valid)
+  alpha = np.asarray(losses.acceptance_prob(q, p))[mask]
   agree = np.asarray(p.argmax(-1) == q.argmax(-1))[mask]
   return {"acceptance_prob": float(alpha.mean()), "greedy_agreement": float(agree.mean())}
 

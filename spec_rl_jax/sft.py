@@ -12,7 +12,7 @@ Targets (`TARGETS`) are named `SFTConfig`s; ``--target policy`` runs one, any co
 field can be overridden (``--steps 50 --data task:arithmetic``). A rerun resumes each
 target from its last checkpoint (and does nothing for finished ones).
 
-Loss: ``(1 - α)·CE(data) + α·CE(softmax(teacher logits))`` over response tokens, where
+Loss: ``(1 - α)·CE(data) + α·KL(teacher || student)`` over response tokens, where
 the teacher (``--teacher``, α = ``--distill_weight``) is any checkpoint sharing the
 tokenizer (e.g. the draft distilling the policy; off by default, see `TARGETS`).
 """
@@ -39,11 +39,11 @@ from spec_rl_jax import checkpoint, data
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import use_persistent_cache
 from spec_rl_jax.models import hf_io
-from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.layout import training_compiler_options
-from spec_rl_jax.models.transformer import init_decoder, param_count
+from spec_rl_jax.models.transformer import init_decoder, param_count, teacher_forced
+from spec_rl_jax.rl import losses
 from spec_rl_jax.tasks.bpe import default_tokenizer
 
 # Shape legend: B batch, T time, V vocab.
@@ -127,15 +127,14 @@ def make_optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
 
 def _logits(graphdef, params, batch) -> jax.Array:
   """``logits[B, T, V]`` of a right-padded batch."""
-  tokens = batch["tokens"]
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  model = nnx.merge(graphdef, params)
-  return model(tokens, positions, cache=NoCache(valid=batch["valid"])).logits
+  return teacher_forced(graphdef, params, batch["tokens"], batch["valid"]).logits
 
 
 def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float):
-  """Masked mean over response tokens of ``(1-α)·CE + α·soft-CE``; returns metrics."""
-  logp = jax.nn.log_softmax(_logits(graphdef, params, batch))  # [B, T, V]
+  """Masked mean over response tokens of ``(1-α)·CE + α·KL(teacher || student)`` (the
+  RL learner's ``forward_kl`` drafter loss, rl/losses.py); returns metrics."""
+  logits = _logits(graphdef, params, batch)
+  logp = jax.nn.log_softmax(logits)  # [B, T, V]
   mask = batch["loss_mask"]
   n = jnp.maximum(mask.sum(), 1.0)
   ce = -(jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0] * mask).sum() / n
@@ -143,8 +142,7 @@ def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float):
   metrics = {"ce": ce, "token_acc": acc}
   loss = ce
   if teacher_logits is not None:
-    p = jax.nn.softmax(teacher_logits)
-    kd = -((p * logp).sum(-1) * mask).sum() / n
+    kd = (losses.distill_loss("forward_kl", logits, teacher_logits) * mask).sum() / n
     loss = (1 - distill_weight) * ce + distill_weight * kd
     metrics["kd"] = kd
   return loss, {**metrics, "loss": loss}

@@ -21,9 +21,14 @@ engine's proposer's host memory, e.g. the n-gram references; async orbax) and
 ``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
 checkpoint with the same future. A run directory is itself a ``policy.path`` (its latest
 checkpoint) for the next run; ``python -m spec_rl_jax.export RUN_DIR OUT_DIR`` writes
-its policy (and draft model) as HF checkpoints. The draft model is not trained here:
-its lag behind the policy (updates since the draft weights were synced) is logged as
-``spec/draft_lag_steps``.
+its policy (and draft model) as HF checkpoints.
+
+The draft model learns with the policy when ``drafter.train.every > 0``: every that many
+steps the learner's update distils it from the policy on the step's rollouts
+(rl/learner.py), and the engine drafts with the new weights from the next step on.
+``spec/draft_lag_steps`` is how many policy updates separate the policy the drafter
+was last distilled from (its teacher) and the policy the next rollout samples from:
+1 when it trains every step, the step count when frozen.
 """
 
 from __future__ import annotations
@@ -111,7 +116,8 @@ class Counters:
   nan_streak: int = 0
   nan_skipped: int = 0
   long_prompts_skipped: int = 0
-  draft_synced_step: int = 0  # the policy step the draft weights were last synced to
+  draft_synced_step: int = 0  # the policy version the drafter was last distilled from
+  draft_nan_skipped: int = 0
 
 
 class Trainer:
@@ -139,11 +145,12 @@ class Trainer:
       tokenizer.save(os.path.join(cfg.run_dir, checkpoint.TOKENIZER_DIR))
     nnx.update(policy, sharding.device_put_state(nnx.state(policy), self.mesh))
     self.tokenizer = tokenizer
-    self.learner = Learner(policy, cfg.learner, r.max_new_tokens)
-    self.learner.check_batch_size(self.N)
     self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer, self.mesh,
                                     config=cfg.drafter.options)
                      if cfg.drafter.k_max else None)
+    self.learner = Learner(policy, cfg.learner, r.max_new_tokens, self._drafter_to_train(),
+                           cfg.drafter.train, r.temperature)
+    self.learner.check_batch_size(self.N)
     self.engine = RolloutEngine(
         policy, engine_config(cfg, tokenizer.eos_ids), tokenizer, self.proposer,
         AdaptiveK(cfg.drafter.k_max) if cfg.drafter.adaptive else None)
@@ -155,12 +162,26 @@ class Trainer:
     if resume and self.ckpt.latest_step() is not None:
       self._restore()
 
+  def _drafter_to_train(self) -> nnx.Module | None:
+    """The proposer's model when ``drafter.train.every > 0`` (clear errors when there is
+    none to train)."""
+    if not self.cfg.drafter.train.every:
+      return None
+    if self.proposer is None:
+      raise ValueError("drafter.train.every > 0 but the rollouts do not draft"
+                       " (drafter.num_draft_tokens=0): there is no drafter to train")
+    if self.proposer.model() is None:
+      raise ValueError(f"drafter.train.every > 0 but the {self.cfg.drafter.proposer!r}"
+                       " proposer has no weights to train (use drafter.proposer=draft_model,"
+                       " or drafter.train.every=0)")
+    return self.proposer.model()
+
   # ------------------------------------------------------------------ checkpoints
 
   def _ckpt_state(self) -> dict:
     state = {**self.learner.state,
              "counters": {k: np.int64(v) for k, v in dataclasses.asdict(self.counters).items()}}
-    if self.proposer is not None and self.proposer.model() is not None:
+    if "draft" not in state and self.proposer is not None and self.proposer.model() is not None:
       state["draft"] = nnx.to_pure_dict(nnx.state(self.proposer.model()))
     return state
 
@@ -189,10 +210,11 @@ class Trainer:
     self.step = int(self.ckpt.latest_step())
     self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
     drafter = None
-    if "draft" in state:
+    if self.learner.draft_model() is None and "draft" in state:
       drafter = nnx.merge(nnx.graphdef(self.proposer.model()), state.pop("draft"))
     self.learner.state = state
-    self.engine.set_weights(self.learner.model(), drafter, version=self.step)
+    self.engine.set_weights(self.learner.model(), drafter or self.learner.draft_model(),
+                            version=self.step)
     if self.proposer is not None:
       self.proposer.load_host_state(meta["proposer_memory"])
 
@@ -240,13 +262,19 @@ class Trainer:
     batch = pack_rollouts([r.prompt for r in result.responses],
                           [r.tokens for r in result.responses],
                           [r.policy_logprobs for r in result.responses], adv.reshape(-1),
-                          self.T, self.tokenizer.pad_id)
+                          rewards, self.T, self.tokenizer.pad_id)
+    every = self.cfg.drafter.train.every
+    train_draft = bool(every) and t % every == 0
     with CompileCounter() as update_compiles:
-      learn = self.learner.update(_pad_rows(batch, self.N))
-      self.engine.set_weights(self.learner.model(), version=self.step + 1)
-      jax.block_until_ready(self.learner.state["params"])
+      learn = self.learner.update(_pad_rows(batch, self.N), train_draft)
+      self.engine.set_weights(self.learner.model(),
+                              self.learner.draft_model() if train_draft else None,
+                              version=self.step + 1)
+      jax.block_until_ready(self.learner.state)
     t3 = time.perf_counter()
     self._check_finite(learn)
+    if train_draft:
+      self._check_draft(learn)
     self.step += 1
     lengths = np.asarray([len(r.tokens) for r in result.responses])
     m = result.metrics
@@ -265,6 +293,7 @@ class Trainer:
                                  and self.proposer.model() is not None else 0),
         **{f"train/{k}": v for k, v in learn.items()},
         "train/nan_skipped_total": self.counters.nan_skipped,
+        "train/draft_nan_skipped_total": self.counters.draft_nan_skipped,
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,
         "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
         "time/rollout_decode_s": m["decode_s"],  # the device loop; the rest: prefill, host
@@ -288,6 +317,17 @@ class Trainer:
           f"stopping at step {self.step + 1}: {self.counters.nan_streak} non-finite"
           f" updates in a row (learner.max_nan_streak={limit}); the parameters are those"
           " of the last finite update. Lower learner.lr or check the rewards and data.")
+
+  def _check_draft(self, learn: dict) -> None:
+    """A drafter update that went through syncs it to this step's policy (its teacher);
+    a non-finite one was skipped (the policy's update is unaffected) and is counted."""
+    if not learn["draft_skipped"]:
+      self.counters.draft_synced_step = self.step
+      return
+    self.counters.draft_nan_skipped += 1
+    logging.warning("step %d: non-finite drafter loss or gradient, drafter update skipped"
+                    " (%d so far); the policy's update went ahead", self.step + 1,
+                    self.counters.draft_nan_skipped)
 
   # ------------------------------------------------------------------ the run
 

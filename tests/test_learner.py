@@ -28,7 +28,8 @@ def _batch() -> dict[str, np.ndarray]:
   responses = [list(rng.integers(1, CFG.vocab_size, rng.integers(1, RESPONSE + 1)))
                for _ in range(N)]
   old = [rng.normal(-4.6, 0.3, len(r)).astype(np.float32) for r in responses]
-  return pack_rollouts(prompts, responses, old, rng.normal(size=N), PROMPT + RESPONSE, 0)
+  return pack_rollouts(prompts, responses, old, rng.normal(size=N), rng.uniform(size=N),
+                       PROMPT + RESPONSE, 0)
 
 
 def _learner(cfg: LearnerConfig, mesh_shape=(1, 1, 1)) -> Learner:

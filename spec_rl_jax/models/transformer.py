@@ -126,6 +126,17 @@ def apply(graphdef: nnx.GraphDef, weights: Weights, tokens: jax.Array, positions
   return model(tokens, positions, layer_params=weights.layers, **kwargs)
 
 
+def teacher_forced(graphdef: nnx.GraphDef, params: Any, tokens: jax.Array, valid: jax.Array,
+                   hidden_layers: Sequence[int] = ()) -> DecoderOutput:
+  """The forward of right-padded sequences ``tokens[B, T]`` (``valid[B, T]`` marks the
+  real ones) at positions ``0..T-1``: ``logits[B, T, V]`` of every next token (and the
+  ``hidden_layers`` outputs). The one scoring forward of the learner, SFT, distillation
+  and evaluation (traceable)."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  return nnx.merge(graphdef, params)(tokens, positions, cache=attention.NoCache(valid=valid),
+                                     hidden_layers=hidden_layers)
+
+
 def abstract_decoder(cfg: ModelConfig) -> Decoder:
   """The decoder with ``ShapeDtypeStruct`` leaves: no weights allocated."""
   return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0)))

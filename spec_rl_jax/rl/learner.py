@@ -17,8 +17,14 @@ The state lives on the policy's mesh: parameters and Adam moments keep the polic
 shardings (`sharding.RULES`), micro-batch rows are split over ``data`` × ``fsdp``, and
 the update runs under that mesh (the model's activation constraints apply).
 
-A non-finite loss or gradient leaves the state unchanged (the step is skipped inside
-the jitted update) and is reported as ``skipped``.
+With a drafter to train (``drafter.train``), the same update distils it from the policy
+(NeMo-RL's ``L = L_policy + λ·L_draft``; ReSpec's online drafter): the policy's logits
+of the step's forward, stop-gradient, are the teacher of the drafter's forward on the
+same tokens; the drafter has its own optimizer state, on the same mesh by the same
+rules (losses.py holds the divergences and the per-sequence weights).
+
+A non-finite loss or gradient leaves that model's state unchanged (the step is skipped
+inside the jitted update) and is reported as ``skipped`` (``draft_skipped``).
 
 Shape legend: N responses, m responses per micro-batch, T time (prompt + response,
 right-padded), T_b a micro-batch's trimmed time, V vocab.
@@ -26,6 +32,7 @@ right-padded), T_b a micro-batch's trimmed time, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -38,33 +45,34 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_rl_jax import sharding
-from spec_rl_jax.config import LearnerConfig
-from spec_rl_jax.models.attention import NoCache
+from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig
 from spec_rl_jax.models.layout import training_compiler_options
-from spec_rl_jax.models.transformer import Decoder
+from spec_rl_jax.models.transformer import Decoder, teacher_forced
 from spec_rl_jax.rl import losses
 
 # Per-micro-batch sums reduced into the step's metrics (``count`` = response tokens).
-_SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio")
-_STATS = ("loss", *_SUMS)  # what the accumulator carries besides the gradients
+_SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio", "draft_accept")
+# What the accumulator carries besides the gradients (the losses: weighted sums).
+_STATS = ("loss", "draft_loss", *_SUMS)
 BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                  old_logprobs: Sequence[np.ndarray], advantages: np.ndarray, T: int,
-                  pad_id: int) -> dict[str, np.ndarray]:
+                  old_logprobs: Sequence[np.ndarray], advantages: np.ndarray,
+                  rewards: np.ndarray, T: int, pad_id: int) -> dict[str, np.ndarray]:
   """Right-padded next-token arrays of prompt + response sequences.
 
   Returns ``tokens[N, T]`` inputs, ``targets[N, T]`` next tokens, ``valid[N, T]``,
   ``mask[N, T]`` (1 where the target is a response token), ``old_logp[N, T]`` (the
-  rollout's ``log π_old`` of each target, 0 elsewhere) and ``adv[N]``.
+  rollout's ``log π_old`` of each target, 0 elsewhere), ``adv[N]`` and ``reward[N]``.
   """
   N = len(prompts)
   out = {"tokens": np.full((N, T), pad_id, np.int32),
          "targets": np.full((N, T), pad_id, np.int32),
          "valid": np.zeros((N, T), bool), "mask": np.zeros((N, T), np.float32),
          "old_logp": np.zeros((N, T), np.float32),
-         "adv": np.asarray(advantages, np.float32).reshape(N)}
+         "adv": np.asarray(advantages, np.float32).reshape(N),
+         "reward": np.asarray(rewards, np.float32).reshape(N)}
   for i, (p, r, lp) in enumerate(zip(prompts, responses, old_logprobs)):
     seq = list(p) + list(r)
     if len(seq) - 1 > T:
@@ -78,7 +86,7 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
   return out
 
 
-def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: LearnerConfig | DrafterTrainConfig) -> optax.GradientTransformation:
   """AdamW behind global-norm clipping; linear warmup to a constant ``lr`` (update
   ``u`` = 0, 1, ... uses ``lr · min((u + 1) / warmup_steps, 1)``: the first one learns)."""
   warmup = max(cfg.warmup_steps, 1)
@@ -88,111 +96,179 @@ def make_optimizer(cfg: LearnerConfig) -> optax.GradientTransformation:
                                  weight_decay=cfg.weight_decay))
 
 
-def _token_logps(graphdef, params, mb) -> tuple[jax.Array, jax.Array]:
-  """``(log π(target) [m, T], entropy [m, T])`` of one micro-batch."""
-  tokens = mb["tokens"]
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  logits = nnx.merge(graphdef, params)(tokens, positions,
-                                       cache=NoCache(valid=mb["valid"])).logits
-  logp = jax.nn.log_softmax(logits)  # [m, T, V]
-  target_logp = jnp.take_along_axis(logp, mb["targets"][..., None], -1)[..., 0]
-  return target_logp, losses.entropy(logits)
+@dataclasses.dataclass(frozen=True)
+class DistillParams:
+  """The drafter's loss: a `losses.DISTILL_LOSSES` name, λ, the sampling temperature."""
+
+  loss: str
+  loss_weight: float
+  temperature: float
 
 
-def _micro_loss(params, graphdef, ref_params, mb, loss_name: str, p: losses.LossParams):
-  """``Σ w ℓ`` over one micro-batch, plus the per-token sums for metrics."""
-  logp, ent = _token_logps(graphdef, params, mb)
+def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_name: str,
+                p: losses.LossParams, distill: DistillParams | None):
+  """``Σ w ℓ + λ Σ w_d d`` over one micro-batch, plus the per-token sums for metrics.
+
+  ``trainable = (policy params, drafter params or None)``. One policy forward serves
+  the policy loss and, stop-gradient, as the drafter's teacher, so the drafter adds
+  only its own forward and backward, and its loss sends no gradient into the policy.
+  """
+  params, draft_params = trainable
+  logits = teacher_forced(graphdef, params, mb["tokens"], mb["valid"]).logits  # [m, T, V]
+  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
   per_token, clipped = losses.get_policy_loss(loss_name)(logp, mb["old_logp"], mb["adv"], p)
   m = mb["mask"]
   kl = jnp.zeros_like(logp)
   if ref_params is not None:
-    ref_logp, _ = _token_logps(graphdef, ref_params, mb)
+    ref_logits = teacher_forced(graphdef, ref_params, mb["tokens"], mb["valid"]).logits
+    ref_logp = jnp.take_along_axis(jax.nn.log_softmax(ref_logits), mb["targets"][..., None],
+                                   -1)[..., 0]
     kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp))
     per_token = per_token + p.kl_coef * kl
-  sums = {"count": m.sum(), "clipped": (clipped * m).sum(),
-          "entropy": (jax.lax.stop_gradient(ent) * m).sum(),
-          "kl": (jax.lax.stop_gradient(kl) * m).sum(),
-          "gap_abs": (jnp.abs(jax.lax.stop_gradient(logp) - mb["old_logp"]) * m).sum(),
-          "ratio": (jnp.exp(jax.lax.stop_gradient(logp) - mb["old_logp"]) * m).sum()}
-  return (per_token * mb["weight"]).sum(), sums
+  loss = (per_token * mb["weight"]).sum()
+  sg = jax.lax.stop_gradient
+  sums = {"loss": loss, "count": m.sum(), "clipped": (clipped * m).sum(),
+          "entropy": (sg(losses.entropy(logits)) * m).sum(),
+          "kl": (sg(kl) * m).sum(),
+          "gap_abs": (jnp.abs(sg(logp) - mb["old_logp"]) * m).sum(),
+          "ratio": (jnp.exp(sg(logp) - mb["old_logp"]) * m).sum(),
+          "draft_loss": jnp.float32(0), "draft_accept": jnp.float32(0)}
+  if draft_params is None:
+    return loss, sums
+  draft_logits = teacher_forced(draft_graphdef, draft_params, mb["tokens"], mb["valid"]).logits
+  d = losses.distill_loss(distill.loss, draft_logits, logits, distill.temperature)
+  sums["draft_loss"] = (d * mb["draft_weight"]).sum()
+  scale = 1.0 / distill.temperature if distill.temperature > 0 else 1.0
+  alpha = losses.acceptance_prob(sg(draft_logits) * scale, sg(logits) * scale)
+  sums["draft_accept"] = (alpha * m).sum()
+  return loss + distill.loss_weight * sums["draft_loss"], sums
 
 
-def accumulate_grads(acc, params, ref_params, micros, *, graphdef, loss_name: str,
-                     loss_params: losses.LossParams):
-  """``acc + Σ_micro (∇ Σ w ℓ, {_STATS})`` over micro-batches ``[n_g, m, T_b]``."""
-  grad_fn = jax.value_and_grad(_micro_loss, has_aux=True)
+def accumulate_grads(acc, trainable, ref_params, micros, **loss_kw):
+  """``acc + Σ_micro (∇ L, {_STATS})`` over micro-batches ``[n_g, m, T_b]``;
+  ``trainable = (policy params, drafter params or None)``, gradients likewise."""
+  grad_fn = jax.grad(_micro_loss, has_aux=True)
 
   def body(acc, micro):
-    (loss, sums), grads = grad_fn(params, graphdef, ref_params, micro, loss_name,
-                                  loss_params)
-    return jax.tree.map(jnp.add, acc, (grads, {"loss": loss, **sums})), None
+    grads, sums = grad_fn(trainable, ref_params, micro, **loss_kw)
+    return jax.tree.map(jnp.add, acc, (grads, sums)), None
 
   return jax.lax.scan(body, acc, micros)[0]
 
 
-def apply_grads(state, grads, stats, *, tx):
-  """One optimizer step on ``state = {"params", "opt"}`` from accumulated ``grads``.
-
-  Returns ``(state, metrics)``; a non-finite loss or gradient norm keeps the old state
-  (``metrics["skipped"] = 1``).
-  """
+def _guarded_step(tx, params, opt, grads, loss):
+  """``(params, opt, grad_norm, ok)`` after one step of ``tx``; a non-finite loss or
+  gradient norm keeps ``params`` and ``opt``."""
   grad_norm = optax.tree.norm(grads)
-  updates, opt = tx.update(grads, state["opt"], state["params"])
-  new = {"params": optax.apply_updates(state["params"], updates), "opt": opt}
-  ok = jnp.isfinite(stats["loss"]) & jnp.isfinite(grad_norm)
-  new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, state)
+  updates, new_opt = tx.update(grads, opt, params)
+  new = (optax.apply_updates(params, updates), new_opt)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  new = jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, (params, opt))
+  return *new, grad_norm, ok
+
+
+def apply_grads(state, grads, stats, *, tx, draft_tx):
+  """One optimizer step on ``state = {"params", "opt"[, "draft", "draft_opt"]}`` from
+  accumulated ``grads = (policy, drafter or None)``.
+
+  Returns ``(state, metrics)``. The two models step independently: a non-finite loss or
+  gradient norm keeps that model's old state (``skipped`` / ``draft_skipped`` = 1), so a
+  NaN in the drafter's loss never reaches the policy.
+  """
+  policy_grads, draft_grads = grads
+  new = dict(state)
+  new["params"], new["opt"], grad_norm, ok = _guarded_step(
+      tx, state["params"], state["opt"], policy_grads, stats["loss"])
   n = jnp.maximum(stats["count"], 1.0)
   metrics = {"loss": stats["loss"], "grad_norm": grad_norm,
              "skipped": 1 - ok.astype(jnp.int32),
              "clip_frac": stats["clipped"] / n, "entropy": stats["entropy"] / n,
              "kl": stats["kl"] / n, "logprob_gap": stats["gap_abs"] / n,
              "ratio_mean": stats["ratio"] / n}
+  if draft_grads is not None:
+    new["draft"], new["draft_opt"], draft_norm, draft_ok = _guarded_step(
+        draft_tx, state["draft"], state["draft_opt"], draft_grads, stats["draft_loss"])
+    metrics.update(draft_loss=stats["draft_loss"], draft_grad_norm=draft_norm,
+                   draft_skipped=1 - draft_ok.astype(jnp.int32),
+                   draft_acceptance=stats["draft_accept"] / n)
   return new, metrics
 
 
 class Learner:
-  """Holds ``{"params", "opt"}`` of the policy (and a frozen reference when β > 0)."""
+  """Holds ``{"params", "opt"}`` of the policy (and a frozen reference when β > 0);
+  with a ``drafter`` and ``draft_cfg``, also ``{"draft", "draft_opt"}``: the drafter
+  distilled from the policy in the same update (`update(..., train_draft=True)`)."""
 
-  def __init__(self, model: Decoder, cfg: LearnerConfig, max_response_len: int):
-    self.cfg, self.max_response_len = cfg, max_response_len
+  def __init__(self, model: Decoder, cfg: LearnerConfig, max_response_len: int,
+               drafter: Decoder | None = None, draft_cfg: DrafterTrainConfig | None = None,
+               temperature: float = 1.0):
+    self.cfg, self.max_response_len, self.draft_cfg = cfg, max_response_len, draft_cfg
     self.graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
     self.tx = make_optimizer(cfg)
     leaf = jax.tree.leaves(params)[0]
     self.mesh = mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
                         else sharding.make_mesh((1, 1, 1)))
-    # Adam's moments are laid out like the parameters they track; counters replicated.
-    opt_shardings = optax.tree_map_params(
-        self.tx, lambda _, s: s, jax.eval_shape(self.tx.init, params),
-        jax.tree.map(lambda x: x.sharding, params),
-        transform_non_params=lambda _: NamedSharding(mesh, P()))
-    self.state = {"params": params,
-                  "opt": jax.jit(self.tx.init, out_shardings=opt_shardings)(params)}
+    replicated = NamedSharding(mesh, P())
+    self.state = {"params": params, "opt": self._init_opt(self.tx, params)}
+    self.draft_graphdef, self.draft_tx, distill = None, None, None
+    if drafter is not None:
+      if draft_cfg is None:
+        raise ValueError("a drafter to train needs its DrafterTrainConfig")
+      if drafter.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"the drafter's vocabulary ({drafter.cfg.vocab_size} tokens) differs"
+                         f" from the policy's ({model.cfg.vocab_size}): it cannot be"
+                         " distilled from the policy's next-token distributions")
+      self.draft_graphdef, draft = nnx.split(drafter)
+      # The drafter's weights and moments follow the same sharding rules on the same mesh.
+      draft = nnx.to_pure_dict(sharding.device_put_state(draft, mesh))
+      self.draft_tx = make_optimizer(draft_cfg)
+      self.state.update(draft=draft, draft_opt=self._init_opt(self.draft_tx, draft))
+      distill = DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature)
     # β > 0: a frozen copy of the initial policy (a separate buffer: state is donated).
     self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
     self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef)
     # The state keeps its shardings across steps (donated in place, one compile; the
     # engine's copy of the weights keeps its compiled programs too). Gradients are laid
-    # out like the parameters; the per-micro-batch sums are replicated scalars.
+    # out like the parameters; the per-micro-batch sums are replicated scalars. One
+    # program pair per mode: with and without the drafter's update.
     state_shardings = jax.tree.map(lambda x: x.sharding, self.state)
-    replicated = NamedSharding(mesh, P())
-    acc_shardings = (state_shardings["params"], {k: replicated for k in _STATS})
-    self._zeros = jax.jit(
-        lambda params: (jax.tree.map(jnp.zeros_like, params),
-                        {k: jnp.float32(0) for k in _STATS}),
-        out_shardings=acc_shardings)
-    self._accumulate = jax.jit(
-        functools.partial(accumulate_grads, graphdef=self.graphdef, loss_name=cfg.loss,
-                          loss_params=self.loss_params),
-        donate_argnums=0, out_shardings=acc_shardings,
-        compiler_options=training_compiler_options())
-    self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx), donate_argnums=0,
-                          out_shardings=(state_shardings, replicated),
+    stats_shardings = {k: replicated for k in _STATS}
+    loss_kw = dict(graphdef=self.graphdef, draft_graphdef=self.draft_graphdef,
+                   loss_name=cfg.loss, p=self.loss_params, distill=distill)
+    self._zeros, self._accumulate = {}, {}
+    for with_draft in ((False, True) if drafter is not None else (False,)):
+      grad_shardings = (state_shardings["params"],
+                        state_shardings["draft"] if with_draft else None)
+      acc_shardings = (grad_shardings, stats_shardings)
+      self._zeros[with_draft] = jax.jit(
+          lambda trainable: (jax.tree.map(jnp.zeros_like, trainable),
+                             {k: jnp.float32(0) for k in _STATS}),
+          out_shardings=acc_shardings)
+      self._accumulate[with_draft] = jax.jit(
+          functools.partial(accumulate_grads, **loss_kw), donate_argnums=0,
+          out_shardings=acc_shardings, compiler_options=training_compiler_options())
+    self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx, draft_tx=self.draft_tx),
+                          donate_argnums=0, out_shardings=(state_shardings, replicated),
                           compiler_options=training_compiler_options())
+
+  def _init_opt(self, tx: optax.GradientTransformation, params: Any) -> Any:
+    """``tx``'s state with Adam's moments laid out like ``params``; counters replicated."""
+    opt_shardings = optax.tree_map_params(
+        tx, lambda _, s: s, jax.eval_shape(tx.init, params),
+        jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(self.mesh, P()))
+    return jax.jit(tx.init, out_shardings=opt_shardings)(params)
 
   def model(self) -> Decoder:
     """The current policy as a `Decoder` (shares the learner's buffers)."""
     return nnx.merge(self.graphdef, self.state["params"])
+
+  def draft_model(self) -> Decoder | None:
+    """The drafter being trained as a `Decoder` (None: the learner trains none)."""
+    if self.draft_graphdef is None:
+      return None
+    return nnx.merge(self.draft_graphdef, self.state["draft"])
 
   def check_batch_size(self, N: int) -> None:
     """``N`` responses must split into mini-batches of whole micro-batches."""
@@ -203,7 +279,9 @@ class Learner:
                        f" micro-batches of learner.micro_batch_size={m}")
 
   def minibatches(self, batch: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
-    """Splits ``N`` responses into mini-batches of `micro_batches`."""
+    """Splits ``N`` responses into mini-batches of `micro_batches`, with each token's
+    policy-loss weight (``weight``) and, when a drafter trains, drafter-loss weight
+    (``draft_weight``), both normalised over the mini-batch."""
     N = batch["adv"].shape[0]
     self.check_batch_size(N)
     out = []
@@ -211,6 +289,10 @@ class Learner:
       mb = {key: v[part] for key, v in batch.items()}
       mb["weight"] = losses.aggregation_weights(self.cfg.aggregation, mb["mask"],
                                                 self.max_response_len)
+      if self.draft_cfg is not None:
+        mb["draft_weight"] = losses.draft_weights(self.draft_cfg.weighting, mb["mask"],
+                                                  mb["reward"],
+                                                  self.draft_cfg.reward_temperature)
       out.append(micro_batches(mb, self.cfg.micro_batch_size))
     return out
 
@@ -221,33 +303,46 @@ class Learner:
     return {k: jax.device_put(v, NamedSharding(self.mesh, sharding.logical_to_spec(
         (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in micros.items()}
 
-  def gradients(self, groups: list[dict[str, np.ndarray]]) -> tuple[Any, dict[str, jax.Array]]:
-    """``(Σ ∇ Σ w ℓ, {_STATS})`` of one mini-batch's micro-batch groups, accumulated on
-    device at the current parameters."""
+  def gradients(self, groups: list[dict[str, np.ndarray]],
+                train_draft: bool = False) -> tuple[Any, dict[str, jax.Array]]:
+    """``((∇_θ, ∇_draft or None), {_STATS})`` of one mini-batch's micro-batch groups,
+    accumulated on device at the current parameters."""
+    trainable = (self.state["params"], self.state["draft"] if train_draft else None)
     with jax.set_mesh(self.mesh):
-      acc = self._zeros(self.state["params"])
+      acc = self._zeros[train_draft](trainable)
       for group in groups:
-        acc = self._accumulate(acc, self.state["params"], self.ref_params, self._place(group))
+        acc = self._accumulate[train_draft](acc, trainable, self.ref_params,
+                                            self._place(group))
     return acc
 
-  def update(self, batch: dict[str, np.ndarray]) -> dict[str, Any]:
+  def update(self, batch: dict[str, np.ndarray], train_draft: bool = False) -> dict[str, Any]:
     """One step on a packed global batch (`pack_rollouts`); returns its metrics.
 
-    ``logprob_gap`` (mean |log π_θ - log π_old| over response tokens) is taken from the
-    first mini-batch, whose forward still uses the rollout's parameters.
-    ``positions_computed_frac``: the share of the batch's ``N × T`` positions the
-    micro-batches' forward and backward passes compute (`micro_batches` trims padding).
+    ``train_draft``: the drafter takes an optimizer step on the same mini-batches,
+    distilled from the policy's logits of the same forward (the policy before this
+    mini-batch's step). ``logprob_gap`` (mean |log π_θ - log π_old| over response
+    tokens) is taken from the first mini-batch, whose forward still uses the rollout's
+    parameters; so is ``draft_acceptance`` (mean ``α_t``: the drafter as the rollout
+    used it against the rollout's policy). ``positions_computed_frac``: the share of
+    the batch's ``N × T`` positions the micro-batches' forward and backward passes
+    compute (`micro_batches` trims padding).
     """
+    if train_draft and self.draft_graphdef is None:
+      raise ValueError("train_draft=True but the learner holds no drafter")
     metrics, computed = [], 0
     for groups in self.minibatches(batch):
-      acc = self.gradients(groups)
+      acc = self.gradients(groups, train_draft)
       computed += sum(group["tokens"].size for group in groups)
       with jax.set_mesh(self.mesh):
         self.state, m = self._apply(self.state, *acc)
       metrics.append(jax.device_get(m))
     out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]}
-    out["logprob_gap"] = float(metrics[0]["logprob_gap"])
+    for first in ("logprob_gap", "draft_acceptance"):
+      if first in out:
+        out[first] = float(metrics[0][first])
     out["skipped"] = int(sum(m["skipped"] for m in metrics))
+    if train_draft:
+      out["draft_skipped"] = int(sum(m["draft_skipped"] for m in metrics))
     out["positions_computed_frac"] = computed / batch["tokens"].size
     return out
 

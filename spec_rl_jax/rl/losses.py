@@ -11,7 +11,7 @@ Which distribution the ratio's log-probs are of: both sides are the *raw* policy
 ``Response.policy_logprobs`` (the target's logits at the verification that emitted
 the token, also for speculative rollouts: never the draft's), not ``Response.logprobs``
 of the processed distribution (temperature, top-k, top-p) the token was drawn from;
-``log π_θ`` is the learner's recomputation (`learner._token_logps`), likewise raw. So
+``log π_θ`` is the learner's recomputation (`learner._micro_loss`), likewise raw. So
 with the rollout's parameters ``ρ = 1`` up to numerics (the logged ``logprob_gap``),
 and the clip range bounds the policy's change alone: a processed ``π_old`` against a
 raw ``π_θ`` would start every update at ``ρ = π_raw / π_processed ≠ 1`` whenever
@@ -40,6 +40,30 @@ accumulating gradients over micro-batches gives exactly the mini-batch gradient:
 
 where ``m`` is the response-token mask, ``|o_i|`` response i's length, ``N`` the
 responses in the mini-batch and ``L_max`` the response length cap.
+
+Drafter distillation (``DISTILL_LOSSES``; one signature: student and teacher logits in,
+per-token divergence out). The teacher ``p`` is the policy's next-token distribution,
+the student ``q`` the drafter's, both at the sampling temperature ``τ`` (the
+distributions speculative sampling compares; raw logits at ``τ = 0``):
+
+  forward_kl  d_t = KL(p || q) = Σ_v p (log p - log q)   (mass-covering; SFT's
+              distillation, equal in gradient to the soft cross-entropy -Σ p log q)
+  reverse_kl  d_t = KL(q || p) = Σ_v q (log q - log p)   (mode-seeking)
+  tv          d_t = ½ Σ_v |p - q| = 1 - α_t              (directly the rejection rate)
+
+where ``α_t = Σ_v min(p, q)`` is the probability that speculative sampling accepts a
+draft token at position t (Leviathan et al., 2023), logged as the drafter/policy
+agreement. Per-sequence weights (``DRAFT_WEIGHTINGS``) turn ``d`` into the drafter's
+loss ``L_draft = Σ_{i,t} w_{i,t} d_{i,t}``, again normalised over the whole mini-batch:
+
+  uniform  w_{i,t} = m_{i,t} / Σ m                          (token mean)
+  reward   w_{i,t} = m_{i,t} e^{r_i/τ_r} / Σ_{j,u} m_{j,u} e^{r_j/τ_r}
+
+``reward`` is ReSpec's reward-weighted distillation: the drafter spends its capacity on
+the responses the policy is being pushed towards (high reward ``r_i``), which the next
+rollouts sample more often; the exponentiated form is reward-weighted regression's
+(Peters & Schaal, 2007), ``τ_r`` (``reward_temperature``) sets how sharply it favours
+them, and ``τ_r → ∞`` is ``uniform``.
 
 Shape legend: B responses, T time, V vocab.
 """
@@ -125,6 +149,75 @@ def aggregation_weights(name: str, mask: np.ndarray, max_len: int) -> np.ndarray
   if name not in AGGREGATIONS:
     raise KeyError(f"unknown loss aggregation {name!r}; known: {sorted(AGGREGATIONS)}")
   return AGGREGATIONS[name](np.asarray(mask, np.float32), max_len).astype(np.float32)
+
+
+# (student logits [B,T,V], teacher logits [B,T,V]) -> d [B,T]
+DistillLossFn = Callable[[jax.Array, jax.Array], jax.Array]
+# (mask [B,T], rewards [B], reward_temperature) -> w [B,T]
+DraftWeightingFn = Callable[[np.ndarray, np.ndarray, float], np.ndarray]
+
+
+def forward_kl(student, teacher):
+  logq, logp = jax.nn.log_softmax(student), jax.nn.log_softmax(teacher)
+  return (jnp.exp(logp) * (logp - logq)).sum(-1)
+
+
+def reverse_kl(student, teacher):
+  logq, logp = jax.nn.log_softmax(student), jax.nn.log_softmax(teacher)
+  return (jnp.exp(logq) * (logq - logp)).sum(-1)
+
+
+def total_variation(student, teacher):
+  return 0.5 * jnp.abs(jax.nn.softmax(student) - jax.nn.softmax(teacher)).sum(-1)
+
+
+DISTILL_LOSSES: dict[str, DistillLossFn] = {
+    "forward_kl": forward_kl,
+    "reverse_kl": reverse_kl,
+    "tv": total_variation,
+}
+
+
+def acceptance_prob(student: jax.Array, teacher: jax.Array) -> jax.Array:
+  """``α_t = Σ_v min(p, q)`` per position of logits ``[B, T, V]`` → ``[B, T]``."""
+  return jnp.minimum(jax.nn.softmax(student), jax.nn.softmax(teacher)).sum(-1)
+
+
+def distill_loss(name: str, student: jax.Array, teacher: jax.Array,
+                 temperature: float = 1.0) -> jax.Array:
+  """``d[B, T]`` of the registered loss ``name`` between the student's and the
+  teacher's logits ``[B, T, V]`` at ``temperature`` (0: the raw logits). The teacher
+  gets no gradient."""
+  if name not in DISTILL_LOSSES:
+    raise KeyError(f"unknown distillation loss {name!r}; known: {sorted(DISTILL_LOSSES)}")
+  scale = 1.0 / temperature if temperature > 0 else 1.0
+  return DISTILL_LOSSES[name](student * scale, jax.lax.stop_gradient(teacher) * scale)
+
+
+def uniform_weights(mask: np.ndarray, rewards: np.ndarray, temperature: float) -> np.ndarray:
+  del rewards, temperature
+  return mask / max(mask.sum(), 1.0)
+
+
+def reward_weights(mask: np.ndarray, rewards: np.ndarray, temperature: float) -> np.ndarray:
+  r = np.asarray(rewards, np.float64)[:, None] / temperature
+  w = mask * np.exp(r - r.max())  # the max cancels in the normalisation
+  return w / max(w.sum(), np.finfo(np.float64).tiny)
+
+
+DRAFT_WEIGHTINGS: dict[str, DraftWeightingFn] = {
+    "uniform": uniform_weights,
+    "reward": reward_weights,
+}
+
+
+def draft_weights(name: str, mask: np.ndarray, rewards: np.ndarray,
+                  temperature: float) -> np.ndarray:
+  """``w[B, T]`` (float32) of the drafter weighting ``name`` for a mini-batch."""
+  if name not in DRAFT_WEIGHTINGS:
+    raise KeyError(f"unknown drafter weighting {name!r}; known: {sorted(DRAFT_WEIGHTINGS)}")
+  return DRAFT_WEIGHTINGS[name](np.asarray(mask, np.float64), rewards,
+                                temperature).astype(np.float32)
 
 
 def entropy(logits: jax.Array) -> jax.Array:

@@ -81,6 +81,7 @@ class RolloutEngine:
     self.layout = layouts.for_backend() if layout is None else layout
     self.mesh = sharding.mesh_of(nnx.state(model)) or sharding.make_mesh((1, 1, 1))
     self.version = 0
+    self._draft_weights = None
     self._install(model, proposer.model() if proposer is not None else None)
     self.programs = DevicePrograms(nnx.graphdef(model), model.cfg, config, proposer,
                                    self.mesh, self.layout.compiler_options)
@@ -121,24 +122,25 @@ class RolloutEngine:
                          " then places it on the policy's mesh)")
 
   def _install(self, policy: Decoder, drafter: Decoder | None) -> None:
+    """Lays out (copies) ``policy``'s weights, and ``drafter``'s when given."""
     rows = self.config.num_slots * (self.config.max_draft_tokens + 1)
     self._weights = self.layout.weights(policy, rows, self.mesh)
-    self._draft_weights = (None if drafter is None else
-                           self.layout.weights(drafter, self.config.num_slots, self.mesh))
+    if drafter is not None:
+      self._draft_weights = self.layout.weights(drafter, self.config.num_slots, self.mesh)
 
   def set_weights(self, policy: Decoder, drafter: Decoder | None = None,
                   version: int | None = None) -> int:
-    """Uses ``policy`` (and the proposer's ``drafter``) for every round from the next
-    `step` on; the engine keeps copies, never aliases. ``version`` (default: the current
-    one + 1) is recorded for the tokens generated with these weights. Returns it."""
+    """Uses ``policy`` (and, when given, the proposer's new ``drafter``; else the
+    drafter's weights stay) for every round from the next `step` on; the engine keeps
+    copies, never aliases, so the caller may donate its buffers afterwards. ``version``
+    (default: the current one + 1) is recorded for the tokens generated with these
+    weights. Returns it."""
     if policy.cfg != self.model_config:
       raise ValueError("set_weights needs a policy with the engine's ModelConfig")
     if drafter is not None:
       if self.proposer is None:
         raise ValueError("set_weights got a drafter but the engine has no proposer")
       self.proposer.set_model(drafter)
-    elif self.proposer is not None:
-      drafter = self.proposer.model()
     self._install(policy, drafter)
     self.version = self.version + 1 if version is None else int(version)
     for seq in (*self._sched.running.values(), *self._sched.preempted):
