@@ -1,0 +1,3 @@
+from spec_rl_jax.sim.cli import main
+
+main()
