@@ -117,7 +117,7 @@ def nemo_rl() -> dict:
 SENSITIVITY = {  # input -> (low, high) replacements of the 8B case
     "acceptance length (2.47)": ("a", 2.0, 3.0),
     "mean response length (3,072)": ("mean_len", 1536, 6144),
-    "responses per step (2,048)": ("prompts", 64, 256),
+    "prompts per step, x16 each (128)": ("prompts", 64, 256),
     "length spread sigma (0.8)": ("len_sigma", 0.4, 1.2),
     "learner MFU (0.4)": ("mfu", 0.2, 0.6),
     "hardware (gb200-x32)": ("hardware", "h100-x32", "h200-x32"),

@@ -108,7 +108,7 @@ def plot_results(out: str, rows: list[dict], sweep: list[dict], title: str) -> s
   ax.set_title(title)
   ax.legend(fontsize=7)
   for key, style in (("speedup_sync", "o-"), ("speedup_async", "s--")):
-    pts = [(r["params_b"], r[key]) for r in sweep if key in r]
+    pts = sorted((r["params_b"], r[key]) for r in sweep if key in r)
     if pts:
       ax2.plot(*zip(*pts), style, label=key.replace("speedup_", "SD "))
   ax2.axhline(1.0, color="gray", lw=0.8)
