@@ -4,7 +4,8 @@ A run directory holds ``tokenizer/`` (HF layout, written when the run starts) an
 ``ckpt/<step>/`` with three orbax items:
 
   * ``state``: ``{"params", "opt", "step"}`` — pure pytrees of arrays (an RL run adds
-    ``"draft"``, the draft model's weights, and ``"counters"``),
+    ``"draft"``, the draft model's weights, ``"draft_opt"`` when it trains the drafter,
+    and ``"counters"``),
   * ``data``: the grain iterator state (the exact future batches),
   * ``meta``: JSON — the run config, the model config and the rollout engine's memory
     of earlier rollouts per prompt (the ngram proposer's references); an RL run with a

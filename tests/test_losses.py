@@ -1,5 +1,7 @@
-"""Policy loss, KL, entropy and aggregation weights against hand-computed values."""
+"""Policy loss, KL, entropy, aggregation weights and the drafter's distillation losses and
+weights against hand-computed values."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -68,3 +70,60 @@ def test_unknown_names():
     losses.get_policy_loss("reinforce")
   with pytest.raises(KeyError, match="token_mean"):
     losses.aggregation_weights("sum", MASK, 4)
+
+
+# ----------------------------------------------------------------- drafter distillation
+
+# One position, vocab 3: teacher p = (0.5, 0.25, 0.25), student q = (0.25, 0.25, 0.5).
+_P = np.array([0.5, 0.25, 0.25])
+_Q = np.array([0.25, 0.25, 0.5])
+
+
+def test_distill_losses_hand_computed():
+  student, teacher = jnp.log(_Q)[None, None], jnp.log(_P)[None, None]  # [1, 1, 3]
+  want = {"forward_kl": (0.5 * np.log(2) + 0.25 * np.log(0.5)),  # Σ p log p/q
+          "reverse_kl": (0.25 * np.log(0.5) + 0.5 * np.log(2)),  # Σ q log q/p
+          "tv": 0.5 * (0.25 + 0 + 0.25)}
+  for name, value in want.items():
+    np.testing.assert_allclose(losses.distill_loss(name, student, teacher), [[value]],
+                               rtol=1e-6)
+  # α = Σ min(p, q) = 0.25 + 0.25 + 0.25 = 1 - TV.
+  np.testing.assert_allclose(losses.acceptance_prob(student, teacher), [[0.75]], rtol=1e-6)
+  # Temperature 2 compares softmax(z / 2): p ∝ sqrt(p), q ∝ sqrt(q).
+  p2, q2 = np.sqrt(_P) / np.sqrt(_P).sum(), np.sqrt(_Q) / np.sqrt(_Q).sum()
+  np.testing.assert_allclose(losses.distill_loss("forward_kl", student, teacher, 2.0),
+                             [[(p2 * np.log(p2 / q2)).sum()]], rtol=1e-5)
+
+
+def test_distill_loss_sends_no_gradient_to_the_teacher():
+  student, teacher = jnp.log(_Q)[None, None], jnp.log(_P)[None, None]
+  for name in losses.DISTILL_LOSSES:
+    g_teacher = jax.grad(lambda t: losses.distill_loss(name, student, t).sum())(teacher)
+    np.testing.assert_array_equal(g_teacher, 0.0)
+    g_student = jax.grad(lambda s: losses.distill_loss(name, s, teacher).sum())(student)
+    assert np.abs(g_student).max() > 0
+
+
+def test_draft_weights_hand_computed():
+  mask = np.array([[1, 1, 0], [1, 0, 0], [0, 0, 0]], np.float32)  # lengths 2, 1, 0
+  rewards = np.array([1.0, 0.0, 5.0])  # the third row has no tokens: no weight
+  np.testing.assert_allclose(losses.draft_weights("uniform", mask, rewards, 1.0),
+                             mask / 3, rtol=1e-6)
+  # reward, τ_r = 0.5: e^{r/τ} = e^2 for row 0's two tokens, 1 for row 1's one token.
+  e = np.exp(2.0)
+  want = np.array([[e, e, 0], [1, 0, 0], [0, 0, 0]]) / (2 * e + 1)
+  got = losses.draft_weights("reward", mask, rewards, 0.5)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  assert got.dtype == np.float32 and got.sum() == pytest.approx(1.0)
+  # A high temperature tends to the uniform weighting; an empty mask gives zeros.
+  np.testing.assert_allclose(losses.draft_weights("reward", mask, rewards, 1e6), mask / 3,
+                             rtol=1e-5)
+  assert not losses.draft_weights("reward", np.zeros((2, 3)), rewards[:2], 1.0).any()
+
+
+def test_unknown_drafter_names():
+  x = jnp.zeros((1, 1, 3))
+  with pytest.raises(KeyError, match="known: \\['forward_kl', 'reverse_kl', 'tv'\\]"):
+    losses.distill_loss("kl", x, x)
+  with pytest.raises(KeyError, match="known: \\['reward', 'uniform'\\]"):
+    losses.draft_weights("advantage", np.ones((1, 1)), np.ones(1), 1.0)

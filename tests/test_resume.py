@@ -1,5 +1,6 @@
 """Kill-and-resume: a run SIGKILLed mid-way and resumed ends with exactly the
-parameters of an uninterrupted run, n-gram rollout memory included."""
+parameters of an uninterrupted run (the policy's and the drafter's it trains online),
+n-gram rollout memory included."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from tqdm import tqdm
 
 from spec_rl_jax import checkpoint, train
@@ -25,11 +27,14 @@ def _cmd(overrides, resume=False):
 
 
 def _final_params(run_dir):
+  """The last checkpoint's policy and draft-model parameters."""
   ckpt = checkpoint.TrainCheckpointer(run_dir)
   assert ckpt.latest_step() == STEPS
   meta = ckpt.restore_meta()
-  _, abstract = checkpoint.abstract_params(checkpoint.config_from_json(meta["model"]))
-  params = ckpt.restore_params(abstract)
+  params = []
+  for key, model in (("params", "model"), ("draft", "draft_model")):
+    _, abstract = checkpoint.abstract_params(checkpoint.config_from_json(meta[model]))
+    params.append(ckpt.restore_params(abstract, key=key))
   ckpt.close()
   return params
 
@@ -39,7 +44,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
   # The three runs share a persistent XLA cache, as a user's rerun does by default: the
   # resumed run loads what the first two compiled.
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPEC_RL_JAX_XLA_CACHE": str(tmp_path / "xla")}
-  extra = {"steps": STEPS, "checkpoint.every": 2}
+  # A fixed draft length: `auto` picks k from measured timings, so its (equally exact)
+  # samples differ from run to run.
+  extra = {"steps": STEPS, "checkpoint.every": 2, "drafter.num_draft_tokens": 2,
+           "drafter.train.every": 2}
   straight = tiny_overrides(models, str(tmp_path / "straight"), **extra)
   killed_dir = str(tmp_path / "killed")
   killed = tiny_overrides(models, killed_dir, **extra)
@@ -67,6 +75,10 @@ def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
   a, b = _final_params(str(tmp_path / "straight")), _final_params(killed_dir)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # The drafter trained (every other step) and resumed with its optimizer state.
+  draft0 = checkpoint.load_model(models["draft"])[0]
+  assert max(np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in zip(
+      jax.tree.leaves(a[1]), jax.tree.leaves(nnx.to_pure_dict(nnx.state(draft0))))) > 0
   # The resumed run kept its config and continued the step count.
   assert load_config(os.path.join(killed_dir, "config.yaml")).steps == STEPS
 

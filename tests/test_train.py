@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
@@ -65,16 +66,18 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
 
 def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path, monkeypatch):
   """A draft model with the policy on a (1, 1, 2) mesh: its weights and KV pools are
-  placed on the policy's mesh (this crashed at the first prefill before). Evaluation
-  before and after training runs on the trainer's own (speculative) engine: no other
-  engine is built."""
-  built = []
-  init = train.RolloutEngine.__init__
-  monkeypatch.setattr(train.RolloutEngine, "__init__",
-                      lambda self, *a, **kw: (built.append(self), init(self, *a, **kw))[-1])
+  placed on the policy's mesh (this crashed at the first prefill before), and it is
+  distilled from the policy there, its weights and moments laid out by the same rules.
+  Evaluation before and after training runs on the trainer's own (speculative) engine:
+  no other engine is built."""
+  built, trainers = [], []
+  for cls, seen in ((train.RolloutEngine, built), (train.Trainer, trainers)):
+    monkeypatch.setattr(cls, "__init__", lambda self, *a, _init=cls.__init__, _seen=seen,
+                        **kw: (_seen.append(self), _init(self, *a, **kw))[-1])
   run_dir = str(tmp_path / "run")
   overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": "draft_model",
                                                  "drafter.num_draft_tokens": 2,
+                                                 "drafter.train.every": 1,
                                                  "policy.mesh": "[1,1,2]", "steps": 1,
                                                  "data.sources": "[task:arithmetic]",
                                                  "data.eval_n": 3, "data.eval_k": 2})
@@ -89,3 +92,12 @@ def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path, monkeypatch
   assert record["eval/arithmetic/pass@1_greedy"] == summary["eval_after"][
       "eval/arithmetic/pass@1_greedy"]
   assert record["train/logprob_gap"] < 1e-3 and record["spec/acceptance_length"] >= 1.0
+  assert record["train/draft_skipped"] == 0 and record["spec/draft_lag_steps"] == 1
+  assert 0 < record["train/draft_acceptance"] <= 1 and record["train/draft_loss"] > 0
+  state = trainers[0].learner.state
+  for key, ref in (("draft", "params"), ("draft_opt", "opt")):
+    kinds = {str(x.sharding.spec) for x in jax.tree.leaves(state[key])}
+    assert kinds & {str(x.sharding.spec) for x in jax.tree.leaves(state[ref])} == kinds
+    assert {x.sharding.mesh for x in jax.tree.leaves(state[key])} == {
+        state["params"]["embed"].sharding.mesh}
+  assert any("tensor" in str(x.sharding.spec) for x in jax.tree.leaves(state["draft"]))

@@ -83,3 +83,36 @@ def test_nan_loss_skipped_then_stops(models, tmp_path, monkeypatch):
   records = read_metrics(run_dir)
   assert [r["train/skipped"] for r in records] == [1]
   assert records[0]["train/nan_skipped_total"] == 1
+
+
+def _nan_divergence(student, teacher):
+  return (student * jnp.nan).sum(-1)
+
+
+def test_nan_drafter_loss_is_skipped_and_counted(models, tmp_path, monkeypatch):
+  """A non-finite drafter loss skips the drafter's update only: the policy trains on,
+  the drafter stays as it was (its lag grows) and the skips are counted."""
+  monkeypatch.setitem(losses.DISTILL_LOSSES, "nan_kl", _nan_divergence)
+  run_dir = str(tmp_path / "run")
+  train.main(tiny_overrides(models, run_dir, **{
+      "drafter.num_draft_tokens": 2, "drafter.train.every": 1,
+      "drafter.train.loss": "nan_kl"}))
+  records = read_metrics(run_dir)
+  assert [r["train/skipped"] for r in records] == [0, 0]
+  assert [r["train/draft_skipped"] for r in records] == [1, 1]
+  assert [r["train/draft_nan_skipped_total"] for r in records] == [1, 2]
+  assert [r["spec/draft_lag_steps"] for r in records] == [1, 2]
+
+
+@pytest.mark.parametrize("overrides,error,match", [
+    ({"drafter.proposer": "ngram"}, ValueError, "'ngram' proposer has no weights to train"),
+    ({"drafter.num_draft_tokens": 0}, ValueError, "there is no drafter to train"),
+    ({"drafter.train.loss": "kl"}, ConfigError,
+     "drafter.train.loss='kl' is not one of \\['forward_kl', 'reverse_kl', 'tv'\\]"),
+    ({"drafter.train.loss_weight": -1}, ConfigError, "loss_weight must be >= 0, got -1"),
+    ({"drafter.train.weighting": "advantage"}, ConfigError, "'reward', 'uniform'"),
+], ids=["ngram", "no-drafts", "loss", "lambda", "weighting"])
+def test_drafter_training_bad_input(models, tmp_path, overrides, error, match):
+  with pytest.raises(error, match=match):
+    train.main(tiny_overrides(models, str(tmp_path / "run"),
+                              **{"drafter.train.every": 1, **overrides}))
