@@ -152,12 +152,13 @@ def main(argv=None) -> dict:
                *args.overrides]
   base = dataclasses.replace(load_config(args.config, overrides), steps=plan.steps)
   records = {arm: [] for arm in ARMS}
+  bar = tqdm(total=len(plan.seeds) * plan.steps * len(ARMS), desc="trainer steps")
   with tempfile.TemporaryDirectory() as tmp:
-    for seed in tqdm(plan.seeds, desc="seeds"):
+    for seed in plan.seeds:
       trainers = {arm: Trainer(arm_config(base, arm, f"{tmp}/{arm}{seed}", seed))
                   for arm in ARMS}
       try:
-        for arm, recs in interleave(trainers, plan.steps).items():
+        for arm, recs in interleave(trainers, plan.steps, bar).items():
           records[arm].append(recs)
       finally:
         for trainer in trainers.values():
@@ -165,6 +166,7 @@ def main(argv=None) -> dict:
       last = {arm: records[arm][-1][-1] for arm in ARMS}
       tqdm.write(f"seed {seed}: τ at the last step " + ", ".join(
           f"{arm} {r['spec/acceptance_length']:.2f}" for arm, r in last.items() if arm != "AR"))
+  bar.close()
   summary, rows = summarise(records)
   common.print_table(rows, ["arm", "tau_start", "tau_end", "tau_end_over_start",
                             "rollout_speedup_vs_ar_end", "update_time_vs_frozen",

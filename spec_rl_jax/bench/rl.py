@@ -109,12 +109,13 @@ def ignore_eos(trainer: Trainer) -> None:
                                  trainer.tokenizer, trainer.proposer, e.controller)
 
 
-def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]]:
+def interleave(trainers: dict[str, Trainer], steps: int,
+               progress: tqdm | None = None) -> dict[str, list[dict]]:
   """``steps`` train steps of every trainer, alternating which goes first; each
   record also holds ``compiles``, the XLA compiles the step ran (a step whose rollout
   or update meets new shapes: the learner compiles its gradient once per micro-batch
   length bucket); the trainer logs the seconds they took per phase
-  (``time/<phase>_compile_s``)."""
+  (``time/<phase>_compile_s``). ``progress`` advances by one per trainer step."""
   bar = tqdm(disable=True)
   records = {name: [] for name in trainers}
   names = list(trainers)
@@ -123,6 +124,8 @@ def interleave(trainers: dict[str, Trainer], steps: int) -> dict[str, list[dict]
       with CompileCounter() as compiles:
         record = trainers[name].train_step(bar)
       records[name].append({**record, "compiles": compiles.count})
+      if progress is not None:
+        progress.update(1)
   return records
 
 
