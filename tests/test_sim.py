@@ -67,15 +67,33 @@ def test_auto_k_maximises_tokens_per_cost():
 
 
 def test_calibration_own_runs_within_20_percent():
-  """AR predicted within 20% of the recorded run (rollout and step). The SD run is a
-  recorded miss (docs/benchmarks.md): its rollout is predicted 30% short (small
-  draft-model forwards cost more on CPU than their roofline) and its update ran on a
-  contended machine; pinned here as a regression."""
+  """Calibration (a) on the interleaved AR/SD recording (tests/data/sim_cpu_run.json,
+  `sim.record`), fed the machine figures probed alongside its steps: rollout within 20%
+  for AR and SD. The step is a recorded miss (docs/benchmarks.md): the learner's MFU was
+  measured on a quiet machine and the run's update, on a machine at load 6-8, ran
+  1.3-1.5x its prediction (AR and SD alike: same work); pinned here as a regression."""
   own = calibrate.own_runs()
-  for part in ("rollout", "step"):
-    assert abs(own["AR"]["ratio"][part] - 1) <= 0.20, own["AR"]
-  assert own["SD"]["ratio"]["rollout"] == pytest.approx(0.70, abs=0.05)
-  assert own["SD"]["ratio"]["step"] == pytest.approx(0.75, abs=0.05)
+  for system in ("AR", "SD"):
+    assert abs(own[system]["ratio"]["rollout"] - 1) <= 0.20, own[system]
+  assert own["AR"]["ratio"]["step"] == pytest.approx(0.80, abs=0.03)
+  assert own["SD"]["ratio"]["step"] == pytest.approx(0.69, abs=0.03)
+
+
+def test_per_forward_latency_is_tau_plus_lambda_per_layer():
+  """On this machine a forward costs its roofline plus ``τ + λ·L`` (λ measured by
+  sim.overhead); accelerators keep their launch latency τ and no per-layer term."""
+  from spec_rl_jax.sim.cost import forward_cost
+  from spec_rl_jax.sim.hardware import this_machine
+  from spec_rl_jax.sim.overhead import fit
+  model = get_model("default-draft")
+  chip = this_machine({"call_latency_ms": 0.5, "layer_latency_ms": 0.25})
+  pod = dataclasses.replace(get_pod("this-machine"), chip=chip)
+  c = forward_cost(model, pod, 1, 1, 10, 10)
+  assert c.latency == pytest.approx(0.5e-3 + 3 * 0.25e-3)
+  for name in ("h100-x8", "tpu-v5p-64", "gb200-x32"):
+    assert forward_cost(model, get_pod(name), 1, 1, 10, 10).latency == pytest.approx(30e-6)
+  tau, lam = fit([(L, 0.2 + 0.1 * L) for L in (1, 2, 4, 8)])
+  assert (tau, lam) == (pytest.approx(0.2), pytest.approx(0.1))
 
 
 def test_calibration_nemo_rl_within_15_percent():

@@ -1,9 +1,10 @@
 """Calibration of the simulator: ``python -m spec_rl_jax.sim.calibrate [--out PATH]``.
 
-(a) ``own_runs``: this machine's measured figures (`hardware.THIS_MACHINE_DEFAULTS`) and
-    a recorded pair of default-recipe runs (tests/data/sim_cpu_run.json: AR and draft
-    model K = 3, per-step times, mean lengths, per-position acceptance) -> predicted vs
-    measured rollout and step seconds, AR and SD (target: within 20%).
+(a) ``own_runs``: an interleaved pair of default-recipe runs (tests/data/sim_cpu_run.json,
+    `sim.record`: AR and draft model K = 3, per-step times, every response's length,
+    per-position acceptance) and this machine's figures probed alongside them
+    (`sim.overhead.Probe`) -> predicted vs measured rollout and step seconds, AR and SD
+    (target: within 20%).
 (b) ``nemo_rl``: the NeMo-RL paper's settings (arXiv 2604.26779): Qwen3-8B, 32 GB200,
     Eagle3, k = 3, synchronous -> rollout speedup 1.77x (RL-Zero) and step speedup 1.41x;
     Qwen3-235B-A22B, SD + async vs AR sync -> 2.5x (targets: within 15%). Assumptions
@@ -50,36 +51,53 @@ NEMO_TARGETS = {"rollout_speedup_8b_sync": 1.77, "step_speedup_8b_sync": 1.41,
                 "step_speedup_235b_sd_async_vs_ar_sync": 2.5}
 
 
-def _median(steps: list[dict], key: str, net: str | None = None) -> float:
-  warm = [s for s in steps[1:] if not s["rollout_compile_s"] and not s["update_compile_s"]]
-  return statistics.median(s[key] - (s[net] if net else 0.0) for s in warm)
+def _warm(steps: list[dict]) -> list[dict]:
+  """The steps after the first whose rollout and update compiled nothing."""
+  return [s for s in steps[1:] if not s["rollout_compile_s"] and not s["update_compile_s"]]
 
 
-def own_runs(path: str = FIXTURE) -> dict:
-  """Predicted vs measured seconds (compile-free steps' medians) for the recorded runs."""
+def _median(steps: list[dict], key: str) -> float:
+  return statistics.median(s[key] for s in _warm(steps))
+
+
+def own_runs(path: str = FIXTURE, machine_json: str | None = None) -> dict:
+  """Predicted vs measured seconds for the recorded runs: measured, the median over the
+  compile-free steps after the first; predicted, the simulator's mean over the same
+  steps, replaying each step's recorded response lengths (fixtures that kept only mean
+  lengths: a lognormal of shape `CPU_LEN_SIGMA`) at the run's mean per-position
+  acceptance, on this machine's figures: those the recording probed alongside its steps
+  (``machine``), else ``machine_json`` (`hardware.this_machine`)."""
   with open(path) as f:
     fx = json.load(f)
   c = fx["config"]
+  if machine_json is None and "machine" in fx:  # figures probed during the recording
+    machine_json = fx["machine"]["figures"]
   out = {}
   for name, run in fx["runs"].items():
     steps = run["steps"]
+    warm = _warm(steps)
     K = run["num_draft_tokens"]
-    at = [s["acceptance_at"] for s in steps[1:] if s["acceptance_at"]]
+    at = [s["acceptance_at"] for s in warm if s["acceptance_at"]]
     a = tuple(np.mean(at, axis=0)) if at else (0.0,)
+    recorded = [tuple(s["lengths"]) for s in warm if s.get("lengths")]
     w = Workload(prompts=c["prompts_per_step"], group=c["group_size"],
-                 prompt_len=c["max_prompt_len"], mean_len=float(np.mean([s["response_len"] for s in steps[1:]])),
-                 max_len=c["max_new_tokens"], len_sigma=CPU_LEN_SIGMA, mfu=THIS_MACHINE_MFU,
-                 micro_batch=c["micro_batch_size"],
-                 reward_s=_median(steps, "reward_s"), steps=len(steps) - 1)
+                 prompt_len=c["max_prompt_len"],
+                 mean_len=float(np.mean([s["response_len"] for s in warm])),
+                 max_len=c["max_new_tokens"], len_sigma=CPU_LEN_SIGMA,
+                 lengths=(recorded[-1:] + recorded) if recorded else None,
+                 mfu=THIS_MACHINE_MFU, micro_batch=c["micro_batch_size"],
+                 reward_s=_median(steps, "reward_s"),
+                 steps=len(warm) + 1)  # step 0 fills the pipeline and is not counted
     sc = Scenario(c["policy"], "this-machine", "draft_model" if K else "none", c["draft"],
-                  K, max(K, 1), a, w, 1, c["num_slots"], 0, None)
+                  K, max(K, 1), a, w, 1, c["num_slots"], 0, None, machine_json)
     plan, r = project(sc, ("sync",), with_ar=False)["SD"]["sync"]
     measured = {"rollout": _median(steps, "rollout_s"), "update": _median(steps, "update_s"),
-                "step": _median(steps, "rollout_s") + _median(steps, "reward_s")
-                + _median(steps, "update_s")}
+                "step": statistics.median(s["rollout_s"] + s["reward_s"] + s["update_s"]
+                                          for s in warm)}
     predicted = {"rollout": r.rollout, "update": r.learner + r.transfer, "step": r.step}
     out[name] = {"measured": measured, "predicted": predicted,
                  "ratio": {k: predicted[k] / measured[k] for k in measured},
+                 "steps": len(warm), "acceptance_at": list(a),
                  "breakdown": {"prefill": r.prefill, "verify": r.verify, "draft": r.draft,
                                "learner": r.learner, "transfer": r.transfer}}
   return out

@@ -70,7 +70,7 @@ def weight_bytes_read(model: SimModel, tokens):
 @dataclasses.dataclass(frozen=True)
 class CallCost:
   """Seconds of one forward call: ``compute`` and ``memory`` (the roofline takes the
-  larger), ``comm`` (TP collectives), ``latency`` (τ); ``total``."""
+  larger), ``comm`` (TP collectives), ``latency`` (τ + λ·L); ``total``."""
 
   compute: np.ndarray
   memory: np.ndarray
@@ -95,7 +95,8 @@ def forward_cost(model: SimModel, pod: Pod, tp: int, tokens, kv_tokens, query_ct
               2(t−1)/t·n·d·2/β + α each; MoE: the attention all-reduce plus an
               all-to-all dispatch and combine of n·a·d·2 bytes, (t−1)/t·n·a·d·2/(t·β) + α
               each
-    total   = max(compute, memory) + comm + τ
+    latency = τ + λ·L   (fixed cost of the call and of each of its L layers)
+    total   = max(compute, memory) + comm + latency
   """
   c = pod.chip
   n = np.asarray(tokens, float)
@@ -114,7 +115,7 @@ def forward_cost(model: SimModel, pod: Pod, tp: int, tokens, kv_tokens, query_ct
     else:
       comm = model.layers * 2 * allreduce
   return CallCost(flops / (tp * c.peak_flops * c.flops_eff), mem / (c.hbm_bw * c.bw_eff),
-                  comm, c.call_latency)
+                  comm, c.call_latency + c.layer_latency * model.layers)
 
 
 def learner_time(model: SimModel, pod: Pod, chips: int, seq_lens: np.ndarray, mfu: float,

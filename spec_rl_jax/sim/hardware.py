@@ -3,8 +3,10 @@
 Per chip: ``P`` peak dense bf16 FLOP/s, ``M`` HBM bytes, ``W`` HBM bandwidth (bytes/s),
 ``β`` collective bandwidth per chip inside its fast domain (one direction, bytes/s),
 ``D`` chips in that domain, ``β_net`` per-chip bandwidth across domains, ``τ`` the fixed
-latency of one forward call (launch, host round trip), ``η_P`` and ``η_W`` the fractions of
-``P`` and ``W`` that kernels reach.
+latency of one forward call (launch, host round trip), ``λ`` the fixed latency of one
+layer of one forward (per-op overhead that neither FLOPs nor bytes account for: a forward
+costs ``τ + λ·L`` on top of its roofline), ``η_P`` and ``η_W`` the fractions of ``P`` and
+``W`` that kernels reach.
 
 Sources (vendor pages as of 2025):
 
@@ -23,11 +25,15 @@ Sources (vendor pages as of 2025):
   (``--machine-json``: rows named as `THIS_MACHINE_DEFAULTS` where present), else the
   figures recorded in docs/benchmarks.md ("Performance simulator"): ``P`` a jitted fp32
   matmul, ``W`` `bench.common.measure_bandwidth`, ``τ`` an engine round of the tiny test
-  model, ``η_P`` the decode FLOP/s of `bench.rollout`'s 110M model at batch 32 over
-  ``P``, ``η_W`` its batch-1 fraction of the bandwidth bound.
+  model, ``λ`` fitted by `sim.overhead` to 1-slot engine rounds of the default policy
+  and draft shapes at 1-8 layers less their roofline (no cost shows above the roofline:
+  0), ``η_P`` the decode FLOP/s of `bench.rollout`'s 110M model at batch 32 over ``P``,
+  ``η_W`` its batch-1 fraction of the bandwidth bound. Calibration (a) uses the
+  ``P``, ``W``, ``τ``, ``λ`` its recording probed alongside its steps (`sim.record`).
 
 ``τ``, ``η_P`` and ``η_W`` of the accelerators are assumptions (no vendor states them):
-τ = 30 µs per forward, η_P = 0.7, η_W = 0.8.
+τ = 30 µs per forward (kernel launches), λ = 0 (per-layer cost is in τ: forwards are
+captured or fused into few launches), η_P = 0.7, η_W = 0.8.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ class Chip:
   domain: int  # D
   net_bw: float  # β_net
   call_latency: float = 30e-6  # τ
+  layer_latency: float = 0.0  # λ
   flops_eff: float = 0.7  # η_P
   bw_eff: float = 0.8  # η_W
   source: str = ""
@@ -80,26 +87,36 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
 
 # This machine (2 shared CPU cores, AMD EPYC): docs/benchmarks.md, "Performance simulator".
 THIS_MACHINE_DEFAULTS = {"matmul_GFLOPs": 220.0, "read_bandwidth_GBps": 38.7,
-                         "call_latency_ms": 0.08, "flops_eff": 0.62, "bw_eff": 0.77}
+                         "call_latency_ms": 0.08, "layer_latency_ms": 0.0, "flops_eff": 0.62,
+                         "bw_eff": 0.77}
 
 HARDWARE_FORMS = ("tpu-v5p-<TensorCores>", "h100-x<GPUs>", "h200-x<GPUs>", "gb200-x<GPUs>",
                   "this-machine")
 
 
-def this_machine(machine_json: str | None = None) -> Chip:
+def this_machine_from(figures: dict) -> Chip:
+  """This machine as a `Chip` from figures named as `THIS_MACHINE_DEFAULTS`."""
+  bw = figures["read_bandwidth_GBps"] * 1e9
+  return Chip("this-machine", figures["matmul_GFLOPs"] * 1e9, 64e9, bw, bw, 1, bw,
+              call_latency=figures["call_latency_ms"] * 1e-3,
+              layer_latency=figures["layer_latency_ms"] * 1e-3, flops_eff=figures["flops_eff"],
+              bw_eff=figures["bw_eff"], source=figures.get("source", "docs/benchmarks.md"))
+
+
+def this_machine(machine_json: str | dict | None = None) -> Chip:
   """This machine as a `Chip` from its measured figures (module docstring); from
-  ``machine_json`` (a `bench.rollout` result, rows named as `THIS_MACHINE_DEFAULTS`)
-  where it has them."""
+  ``machine_json`` (a `bench.rollout` or `sim.overhead` result, rows named as
+  `THIS_MACHINE_DEFAULTS`; or those figures as a dict) where it has them."""
   figures = dict(THIS_MACHINE_DEFAULTS)
-  if machine_json:
+  if isinstance(machine_json, dict):
+    figures.update(machine_json)
+  elif machine_json:
     with open(machine_json) as f:
       rows = json.load(f).get("rows", [])
     figures.update({r["metric"]: float(r["value"]) for r in rows
                     if r.get("metric") in THIS_MACHINE_DEFAULTS})
-  bw = figures["read_bandwidth_GBps"] * 1e9
-  return Chip("this-machine", figures["matmul_GFLOPs"] * 1e9, 64e9, bw, bw, 1, bw,
-              call_latency=figures["call_latency_ms"] * 1e-3, flops_eff=figures["flops_eff"],
-              bw_eff=figures["bw_eff"], source=machine_json or "docs/benchmarks.md")
+    figures["source"] = machine_json
+  return this_machine_from(figures)
 
 
 def get_pod(name: str, machine_json: str | None = None) -> Pod:
