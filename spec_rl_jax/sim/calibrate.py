@@ -3,8 +3,8 @@
 (a) ``own_runs``: an interleaved pair of default-recipe runs (tests/data/sim_cpu_run.json,
     `sim.record`: AR and draft model K = 3, per-step times, every response's length,
     per-position acceptance) and this machine's figures probed alongside them
-    (`sim.overhead.Probe`) -> predicted vs measured rollout and step seconds, AR and SD
-    (target: within 20%).
+    (`sim.overhead.Probe`; the learner's rate, `sim.overhead.LearnerProbe`) -> predicted
+    vs measured rollout, update and step seconds, AR and SD (target: within 20%).
 (b) ``nemo_rl``: the NeMo-RL paper's settings (arXiv 2604.26779): Qwen3-8B, 32 GB200,
     Eagle3, k = 3, synchronous -> rollout speedup 1.77x (RL-Zero) and step speedup 1.41x;
     Qwen3-235B-A22B, SD + async vs AR sync -> 2.5x (targets: within 15%). Assumptions
@@ -28,8 +28,9 @@ from spec_rl_jax.sim.pipeline import Workload
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "data",
                        "sim_cpu_run.json")
-# Learner MFU on this machine: the default policy's SFT, 2,500 tokens/s
-# (6 · 7.54M · 2,500 / 220 GFLOP/s; docs/benchmarks.md, "Performance simulator").
+# Learner MFU on this machine (recordings without a learner probe): the default
+# policy's SFT on a quiet machine, 2,500 tokens/s (6 · 7.54M · 2,500 / 220 GFLOP/s;
+# docs/benchmarks.md, "Performance simulator").
 THIS_MACHINE_MFU = 0.51
 # Response lengths of the CPU default: only per-step means are recorded (about 23 of at
 # most 40 tokens, under 1% truncated): a narrow lognormal.
@@ -66,12 +67,22 @@ def own_runs(path: str = FIXTURE, machine_json: str | None = None) -> dict:
   steps, replaying each step's recorded response lengths (fixtures that kept only mean
   lengths: a lognormal of shape `CPU_LEN_SIGMA`) at the run's mean per-position
   acceptance, on this machine's figures: those the recording probed alongside its steps
-  (``machine``), else ``machine_json`` (`hardware.this_machine`)."""
+  (``machine``), else ``machine_json`` (`hardware.this_machine`). The update: the
+  learner's FLOPs (`cost.learner_flops` over the micro-batches as the learner pads
+  them) over the learner's rate probed alongside the steps (``learner_GFLOPs``,
+  `overhead.LearnerProbe`); recordings without it: `THIS_MACHINE_MFU` of the probed
+  matmul rate."""
   with open(path) as f:
     fx = json.load(f)
   c = fx["config"]
   if machine_json is None and "machine" in fx:  # figures probed during the recording
     machine_json = fx["machine"]["figures"]
+  mfu, rate = THIS_MACHINE_MFU, None
+  if isinstance(machine_json, dict) and "learner_GFLOPs" in machine_json:
+    # The learner's rate probed alongside the steps (`overhead.LearnerProbe`): the update
+    # is its FLOPs over that rate, i.e. MFU = rate / P of the same probe.
+    rate = machine_json["learner_GFLOPs"]
+    mfu = rate / machine_json["matmul_GFLOPs"]
   out = {}
   for name, run in fx["runs"].items():
     steps = run["steps"]
@@ -85,7 +96,8 @@ def own_runs(path: str = FIXTURE, machine_json: str | None = None) -> dict:
                  mean_len=float(np.mean([s["response_len"] for s in warm])),
                  max_len=c["max_new_tokens"], len_sigma=CPU_LEN_SIGMA,
                  lengths=(recorded[-1:] + recorded) if recorded else None,
-                 mfu=THIS_MACHINE_MFU, micro_batch=c["micro_batch_size"],
+                 mfu=mfu, extra_forwards=c.get("extra_forwards", 0),
+                 micro_batch=c["micro_batch_size"],
                  reward_s=_median(steps, "reward_s"),
                  steps=len(warm) + 1)  # step 0 fills the pipeline and is not counted
     sc = Scenario(c["policy"], "this-machine", "draft_model" if K else "none", c["draft"],
@@ -98,6 +110,7 @@ def own_runs(path: str = FIXTURE, machine_json: str | None = None) -> dict:
     out[name] = {"measured": measured, "predicted": predicted,
                  "ratio": {k: predicted[k] / measured[k] for k in measured},
                  "steps": len(warm), "acceptance_at": list(a),
+                 "learner_GFLOPs": rate, "mfu": mfu,
                  "breakdown": {"prefill": r.prefill, "verify": r.verify, "draft": r.draft,
                                "learner": r.learner, "transfer": r.transfer}}
   return out

@@ -185,7 +185,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--extra-forwards", type=int, default=0,
                   help="learner forward passes beyond one forward+backward")
   ap.add_argument("--micro-batch", type=int, default=0,
-                  help="learner micro-batch (padded to its longest; 0: packed)")
+                  help="learner micro-batch (padded as rl.learner pads; 0: packed)")
   ap.add_argument("--reward-s", type=float, default=0.0)
   ap.add_argument("--tp", type=int, default=None, help="chips per rollout replica")
   ap.add_argument("--slots", type=int, default=None, help="slots per replica")

@@ -118,24 +118,36 @@ def forward_cost(model: SimModel, pod: Pod, tp: int, tokens, kv_tokens, query_ct
                   comm, c.call_latency + c.layer_latency * model.layers)
 
 
+def learner_flops(model: SimModel, seq_lens, extra_forwards: int = 0) -> float:
+  """Model FLOPs of one forward + backward over sequences of lengths ``T_i`` (prompt +
+  response, as computed: padding included), ``tokens = Σ T_i``, plus ``f =
+  extra_forwards`` forwards (a log-prob recompute, a frozen reference's KL):
+
+    FLOPs = (6 + 2·f)·(N_active·tokens + L·H·h·Σ T_i²)
+            (the attention term: causal QKᵀ and PV, forward 2·, backward 4·)
+  """
+  T = np.asarray(seq_lens, float)
+  return float((6 + 2 * extra_forwards) * (model.active_params * T.sum()
+                                           + model.layers * model.heads * model.head_dim
+                                           * float(np.sum(T * T))))
+
+
 def learner_time(model: SimModel, pod: Pod, chips: int, seq_lens: np.ndarray, mfu: float,
                  extra_forwards: int = 0) -> dict[str, float]:
   """The update on ``c = chips`` chips for sequences of lengths ``T_i`` (prompt +
   response), ``tokens = Σ T_i``:
 
-    FLOPs   = (6 + 2·f)·(N_active·tokens + L·H·h·Σ T_i²)   (f = extra_forwards: e.g. a
-              log-prob recompute; the attention term: causal QKᵀ and PV, forward 2·, backward 4·)
-    compute = FLOPs / (MFU·P·c)
+    FLOPs   = `learner_flops` = (6 + 2·f)·(N_active·tokens + L·H·h·Σ T_i²)
+              (f = extra_forwards: e.g. a log-prob recompute)
+    compute = FLOPs / (MFU·P·c)   (this machine, calibration (a): MFU·P is the learner's
+              rate probed alongside the run, `overhead.LearnerProbe`)
     comm    = FSDP: gather bf16 params for forward and backward, reduce-scatter fp32
               gradients: 8·N_total·(c − 1)/c / β (overlapped with compute: the max counts)
     optimizer = 28·N_total / (c·W·η_W)   (Adam's reads and writes)
   Returns the parts and ``total = max(compute, comm) + optimizer``.
   """
   c = pod.chip
-  T = np.asarray(seq_lens, float)
-  flops = (6 + 2 * extra_forwards) * (model.active_params * T.sum()
-                                      + model.layers * model.heads * model.head_dim
-                                      * float(np.sum(T * T)))
+  flops = learner_flops(model, seq_lens, extra_forwards)
   compute = flops / (mfu * c.peak_flops * chips)
   comm = (8 * model.total_params * (chips - 1) / chips / pod.collective_bw(chips)
           if chips > 1 else 0.0)

@@ -106,7 +106,11 @@ MODELS: dict[str, SimModel] = {m.name: m for m in (
 
 def _from_preset(name: str) -> SimModel:
   from spec_rl_jax.models.config import get_preset
-  c = get_preset(name)
+  return from_config(name, get_preset(name))
+
+
+def from_config(name: str, c) -> SimModel:
+  """The shapes of a `models.config.ModelConfig` ``c`` as a `SimModel`."""
   b = 4 if c.param_dtype == "float32" else 2
   return SimModel(name, c.num_layers, c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim,
                   c.mlp_dim, c.vocab_size, c.tie_embeddings, weight_bytes=b, kv_bytes=b)

@@ -125,8 +125,47 @@ class Probe:
     return out
 
 
+class LearnerProbe:
+  """The learner's achieved rate, sampled as often as asked (`sim.record`: between a
+  run's steps, under the load its updates see): one forward + backward of one training
+  micro-batch through the run's own `rl.learner.Learner` (`Learner.gradients`: its jitted
+  accumulation, the same program family as the update's, at the current parameters; the
+  state is not changed), on a micro-batch cut from a batch the run packed (``batch``:
+  `rl.learner.pack_rollouts`, as given to `Learner.update`). ``learner_GFLOPs`` = the
+  micro-batch's model FLOPs (`cost.learner_flops` over its ``m`` rows of its padded
+  width ``T_b``, with one extra forward when the learner holds a frozen reference) over
+  its median seconds (``reps`` timings, after a compiling warm-up)."""
+
+  def __init__(self, learner, batch: dict, reps: int = 3):
+    from spec_rl_jax.sim.cost import learner_flops
+    from spec_rl_jax.sim.models import from_config
+    self.learner, self.reps = learner, reps
+    group = learner.minibatches(batch)[0][0]  # the first mini-batch's first group
+    self.micro = {k: v[:1] for k, v in group.items()}  # one micro-batch: [1, m, T_b]
+    m, width = self.micro["tokens"].shape[1:]
+    self.shape = [int(m), int(width)]
+    self.extra_forwards = int(learner.ref_params is not None)
+    model = from_config("learner", learner.model().cfg)
+    self.flops = learner_flops(model, np.full(m, width), self.extra_forwards)
+    self._run()  # compiles
+
+  def _run(self) -> float:
+    import time
+
+    import jax
+    t = time.perf_counter()
+    jax.block_until_ready(self.learner.gradients([self.micro]))
+    return time.perf_counter() - t
+
+  def sample(self) -> dict:
+    t = statistics.median(self._run() for _ in range(self.reps))
+    return {"learner_GFLOPs": self.flops / t / 1e9, "learner_micro_ms": 1e3 * t,
+            "learner_micro_shape": self.shape}
+
+
 def summarize(samples: list[dict], base: dict | None = None) -> dict:
-  """Medians over ``samples`` (`Probe.sample`) of the figures and rounds; each round's
+  """Medians over ``samples`` (`Probe.sample`, with `LearnerProbe.sample`'s
+  ``learner_GFLOPs`` where every sample has it) of the figures and rounds; each round's
   roofline on those figures (and ``base``'s efficiencies: `hardware.THIS_MACHINE_DEFAULTS`)
   and the residual; ``τ`` and ``λ`` fitted to the 1-slot residuals of both shapes
   (each clipped at 0: a negative fit means the roofline overstates forwards whose
@@ -134,8 +173,9 @@ def summarize(samples: list[dict], base: dict | None = None) -> dict:
   ``τ + λ·L``, for comparison."""
   from spec_rl_jax.sim.hardware import THIS_MACHINE_DEFAULTS, this_machine_from
   figures = dict(base or THIS_MACHINE_DEFAULTS)
-  for m in ("matmul_GFLOPs", "read_bandwidth_GBps"):
-    figures[m] = statistics.median(s[m] for s in samples)
+  for m in ("matmul_GFLOPs", "read_bandwidth_GBps", "learner_GFLOPs"):
+    if all(m in s for s in samples):
+      figures[m] = statistics.median(s[m] for s in samples)
   keyed = collections.defaultdict(list)
   for s in samples:
     for r in s["rounds_ms"]:

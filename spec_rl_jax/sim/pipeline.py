@@ -41,7 +41,8 @@ class Workload:
   from ``lengths`` (recorded, cycled per step) or lognormal with mean ``mean_len``,
   shape ``len_sigma``, clipped to ``max_len``; the learner at ``mfu`` with
   ``extra_forwards`` more forward passes (a log-prob recompute: 1) and micro-batches of
-  ``micro_batch`` sequences padded to their longest (0: packed, no padding); ``reward_s``
+  ``micro_batch`` sequences padded as the learner pads them (`padded_lengths`; 0:
+  packed, no padding); ``reward_s``
   host seconds per step; ``steps`` simulated steps."""
 
   prompts: int
@@ -76,13 +77,32 @@ def sample_lengths(w: Workload, step: int) -> np.ndarray:
   return np.round(np.clip(z * scale, 1, w.max_len))
 
 
-def padded_lengths(T: np.ndarray, micro_batch: int) -> np.ndarray:
-  """Sequence lengths as the learner computes them: each micro-batch of ``micro_batch``
-  sequences (in request order) padded to its longest; 0: as they are."""
+LEARNER_BUCKETS = 8  # `rl.learner.BUCKETS`: micro-batch widths per maximum length
+
+
+def learner_width(n: int, T: int) -> int:
+  """The width the learner pads a micro-batch needing ``n`` positions to
+  (`rl.learner.padded_len`): ``n`` rounded up to a multiple of ``ceil(T / 8)`` (itself
+  rounded up to a multiple of 64), at most ``T``."""
+  step = -(-T // LEARNER_BUCKETS)
+  step = -(-step // 64) * 64
+  return min(T, -(-max(int(n), 1) // step) * step)
+
+
+def padded_lengths(T: np.ndarray, micro_batch: int, max_T: int | None = None) -> np.ndarray:
+  """Sequence lengths as the learner computes them (`rl.learner.micro_batches`):
+  sequences ordered by length, longest first, in micro-batches of ``micro_batch``, each
+  padded to its longest, rounded up to the learner's width bucket (`learner_width`) when
+  ``max_T`` (prompt + maximum response) is given; 0: as they are (packed)."""
   if not micro_batch:
     return T
-  return np.concatenate([np.full(len(T[i:i + micro_batch]), T[i:i + micro_batch].max())
-                         for i in range(0, len(T), micro_batch)])
+  T = np.sort(np.asarray(T, float))[::-1]
+  out = []
+  for i in range(0, len(T), micro_batch):
+    part = T[i:i + micro_batch]
+    width = learner_width(part.max(), max_T) if max_T else part.max()
+    out.append(np.full(len(part), float(width)))
+  return np.concatenate(out)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +195,7 @@ def simulate_steps(pod: Pod, model: SimModel, drafter: Drafter, a: np.ndarray,
   for i in range(w.steps):
     lengths = sample_lengths(w, i)
     r = simulate_rollout(setup, lengths, prompts)
-    T = padded_lengths(lengths + w.prompt_len, w.micro_batch)
+    T = padded_lengths(lengths + w.prompt_len, w.micro_batch, w.prompt_len + w.max_len)
     U = cost.learner_time(model, pod, plan.learner_chips, T, w.mfu, w.extra_forwards)["total"]
     start = max(b, w_ready[max(0, len(w_ready) - 1 - s)])
     if plan.colocated:

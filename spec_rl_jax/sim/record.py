@@ -7,7 +7,10 @@ One AR and one SD trainer (the CPU default recipe, the draft model at a fixed ``
 in one process (`bench.rl.interleave`'s order: AR SD, SD AR, ...; machine noise hits
 both alike); after every pair, `overhead.Probe` samples this machine's figures (matmul
 FLOP/s, read bandwidth, rounds for ``τ`` and ``λ``) under the load the run sees, and
-the fixture keeps their medians (``machine``). Kept per step: the phase seconds and their XLA compile seconds, the mean
+the fixture keeps their medians (``machine``); with them, `overhead.LearnerProbe` times
+one forward + backward of a training micro-batch of the run's shapes through the AR
+run's own learner (``learner_GFLOPs``: the rate calibration (a) predicts the update
+from). Kept per step: the phase seconds and their XLA compile seconds, the mean
 response length and the engine's per-position acceptance (``spec/acceptance_at``), and
 every response's length (the simulator replays them instead of a fitted distribution).
 """
@@ -43,7 +46,7 @@ def record(steps: int, K: int, overrides: list[str]) -> dict:
   from tqdm import tqdm
   from spec_rl_jax.bench.rl import variant
   from spec_rl_jax.config import load_config
-  from spec_rl_jax.sim.overhead import Probe, summarize
+  from spec_rl_jax.sim.overhead import LearnerProbe, Probe, summarize
   from spec_rl_jax.train import Trainer
 
   base = load_config(None, ["checkpoint.every=1000", *overrides])
@@ -61,14 +64,27 @@ def record(steps: int, K: int, overrides: list[str]) -> dict:
         lengths[_name].append([len(r.tokens) for r in result.responses])
         return result
       tr.engine.generate = generate
-    probe, samples = Probe(), []
+    learner, batches = trainers["AR"].learner, []  # the AR run's packed batches
+    update = learner.update
+
+    def capture(batch, *args, _update=update, **kw):
+      batches[:] = [batch]
+      return _update(batch, *args, **kw)
+    learner.update = capture
+    probe, learner_probe, samples = Probe(), None, []
     records = {name: [] for name in trainers}
     try:  # bench.rl.interleave's order (AR SD, SD AR, ...), a probe after every pair
       for t in range(steps):
         for name in (list(trainers) if t % 2 == 0 else list(trainers)[::-1]):
           records[name].append(trainers[name].train_step(tqdm(disable=True)))
-        samples.append(probe.sample())
-        print(f"step {t + 1}/{steps}", flush=True)
+        if learner_probe is None:  # a micro-batch of the first step's shapes
+          learner_probe = LearnerProbe(learner, batches[0])
+        samples.append({**probe.sample(), **learner_probe.sample(),
+                        "load1": os.getloadavg()[0]})  # the machine's 1-minute load
+        print(f"step {t + 1}/{steps}: learner"
+              f" {samples[-1]['learner_GFLOPs']:.0f} GFLOP/s, matmul"
+              f" {samples[-1]['matmul_GFLOPs']:.0f} GFLOP/s, load"
+              f" {samples[-1]['load1']:.1f}", flush=True)
     finally:
       for tr in trainers.values():
         tr.close()
@@ -82,6 +98,7 @@ def record(steps: int, K: int, overrides: list[str]) -> dict:
       "config": {"prompts_per_step": r.prompts_per_step, "group_size": r.group_size,
                  "max_prompt_len": r.max_prompt_len, "max_new_tokens": r.max_new_tokens,
                  "num_slots": r.num_slots, "micro_batch_size": base.learner.micro_batch_size,
+                 "extra_forwards": learner_probe.extra_forwards,
                  "policy": "default-policy", "draft": "default-draft"},
       "machine": {"figures": machine["figures"], "rounds": machine["rounds"],
                   "fit_intercept_ms": machine["fit_intercept_ms"],
