@@ -73,8 +73,10 @@ class DrafterTrainConfig:
   weighting: str = "uniform"  # a key of rl.losses.DRAFT_WEIGHTINGS
   reward_temperature: float = 1.0  # τ_r of the ``reward`` weighting
   loss_weight: float = 1.0  # λ
-  lr: float = 1e-4
-  warmup_steps: int = 0
+  lr: float = 1e-3
+  # Adam's first steps move every weight by about ``lr``: a drafter trained from a good
+  # start needs the warmup to keep its acceptance through them.
+  warmup_steps: int = 10
   weight_decay: float = 0.0
   clip_norm: float = 1.0
   b1: float = 0.9

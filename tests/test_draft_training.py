@@ -19,7 +19,8 @@ CFG = get_preset("tiny-qwen3", vocab_size=96)
 DRAFT_CFG = dataclasses.replace(CFG, num_layers=1)  # a smaller drafter, same vocabulary
 N, PROMPT, RESPONSE = 8, 5, 20
 LEARNER = LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_size=4)
-TRAIN = DrafterTrainConfig(every=1, lr=3e-3, weighting="reward", reward_temperature=0.5)
+TRAIN = DrafterTrainConfig(every=1, lr=3e-3, warmup_steps=1, weighting="reward",
+                           reward_temperature=0.5)
 
 
 def _batch() -> dict[str, np.ndarray]:
