@@ -1,7 +1,10 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity; the
-speculative tests' shared target and its greedy AR outputs, built once per session."""
+"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity, a
+persistent XLA cache for the session; the speculative tests' shared target and its
+greedy AR outputs, built once per session."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8")
@@ -13,6 +16,11 @@ os.environ["SPEC_RL_JAX_XLA_CACHE"] = ""
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Engines built by different tests compile many identical programs: with every program
+# kept on disk for the session, the repeats are loads instead of compiles.
+_XLA_CACHE = tempfile.mkdtemp(prefix="spec_rl_jax_test_xla_")
+jax.config.update("jax_compilation_cache_dir", _XLA_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 import pytest  # noqa: E402
 
@@ -30,3 +38,23 @@ def greedy_ar(spec_target):
   """Greedy AR outputs of `spec_target` on `GREEDY_REQS`: what greedy SD must equal."""
   return spec_fixtures.engine(spec_target, None, 0, 4, sampling=spec_fixtures.GREEDY,
                               eos_ids=(11,)).generate(spec_fixtures.GREEDY_REQS)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Tests on a mesh (a "mesh" in their id, or in `test_sharding.py`) keep their
+  programs out of the session cache: a full run once aborted inside the cache's
+  `serialize()` of a sharded program (see docs/benchmarks.md)."""
+  if "mesh" not in item.nodeid and item.path.name != "test_sharding.py":
+    yield
+    return
+  before = jax.config.jax_persistent_cache_min_compile_time_secs
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))
+  try:
+    yield
+  finally:
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def pytest_unconfigure(config):
+  shutil.rmtree(_XLA_CACHE, ignore_errors=True)
