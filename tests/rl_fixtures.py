@@ -1,10 +1,14 @@
-"""Tiny policy and draft HF checkpoints (task tokenizer) for trainer tests."""
+"""Tiny policy and draft HF checkpoints (task tokenizer) for trainer tests, and random
+packed rollouts for learner tests."""
 
 import os
+
+import numpy as np
 
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
+from spec_rl_jax.rl.learner import pack_rollouts
 from spec_rl_jax.tasks.bpe import train_tokenizer, task_corpus
 from spec_rl_jax.tasks import get_task
 
@@ -30,3 +34,17 @@ def tiny_overrides(paths: dict[str, str], run_dir: str, **extra) -> list[str]:
           "learner.micro_batch_size": 4, "learner.lr": 1e-3, "data.eval_n": 0,
           "checkpoint.every": 1, **extra}
   return [f"{k}={v}" for k, v in base.items()]
+
+
+def random_rollouts(seed: int, n: int, prompt_len: int, max_response: int, vocab: int,
+                    min_response: int = 1) -> dict:
+  """`pack_rollouts` of ``n`` random prompts and responses of random lengths in
+  ``[min_response, max_response]``, with random behaviour logprobs, advantages and
+  rewards in [0, 1)."""
+  rng = np.random.default_rng(seed)
+  prompts = [list(rng.integers(1, vocab, prompt_len)) for _ in range(n)]
+  responses = [list(rng.integers(1, vocab, rng.integers(min_response, max_response + 1)))
+               for _ in range(n)]
+  old = [rng.normal(-4.6, 0.3, len(r)).astype(np.float32) for r in responses]
+  return pack_rollouts(prompts, responses, old, rng.normal(size=n), rng.uniform(size=n),
+                       prompt_len + max_response, 0)

@@ -13,7 +13,8 @@ from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder, teacher_forced
 from spec_rl_jax.rl import losses
-from spec_rl_jax.rl.learner import Learner, pack_rollouts
+from spec_rl_jax.rl.learner import Learner
+from tests.rl_fixtures import random_rollouts
 
 CFG = get_preset("tiny-qwen3", vocab_size=96)
 DRAFT_CFG = dataclasses.replace(CFG, num_layers=1)  # a smaller drafter, same vocabulary
@@ -24,13 +25,8 @@ TRAIN = DrafterTrainConfig(every=1, lr=3e-3, warmup_steps=1, weighting="reward",
 
 
 def _batch() -> dict[str, np.ndarray]:
-  rng = np.random.default_rng(1)
-  prompts = [list(rng.integers(1, CFG.vocab_size, PROMPT)) for _ in range(N)]
-  responses = [list(rng.integers(1, CFG.vocab_size, rng.integers(2, RESPONSE + 1)))
-               for _ in range(N)]
-  old = [rng.normal(-4.6, 0.3, len(r)).astype(np.float32) for r in responses]
-  return pack_rollouts(prompts, responses, old, rng.normal(size=N),
-                       rng.integers(0, 2, N).astype(np.float32), PROMPT + RESPONSE, 0)
+  """``N`` responses of random lengths with random behaviour logprobs and advantages."""
+  return random_rollouts(1, N, PROMPT, RESPONSE, CFG.vocab_size, min_response=2)
 
 
 def _leaves(tree):

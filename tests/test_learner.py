@@ -12,7 +12,8 @@ from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
-from spec_rl_jax.rl.learner import Learner, micro_batches, pack_rollouts, padded_len
+from spec_rl_jax.rl.learner import Learner, micro_batches, padded_len
+from tests.rl_fixtures import random_rollouts
 
 # Heads and widths divisible by every mesh axis, so parameters really are distributed.
 CFG = get_preset("tiny-qwen3", num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=96)
@@ -23,13 +24,7 @@ LEARNER = LearnerConfig(lr=1e-3, warmup_steps=1, micro_batch_size=N)
 
 def _batch() -> dict[str, np.ndarray]:
   """``N`` responses of random lengths with random behaviour logprobs and advantages."""
-  rng = np.random.default_rng(0)
-  prompts = [list(rng.integers(1, CFG.vocab_size, PROMPT)) for _ in range(N)]
-  responses = [list(rng.integers(1, CFG.vocab_size, rng.integers(1, RESPONSE + 1)))
-               for _ in range(N)]
-  old = [rng.normal(-4.6, 0.3, len(r)).astype(np.float32) for r in responses]
-  return pack_rollouts(prompts, responses, old, rng.normal(size=N), rng.uniform(size=N),
-                       PROMPT + RESPONSE, 0)
+  return random_rollouts(0, N, PROMPT, RESPONSE, CFG.vocab_size)
 
 
 def _learner(cfg: LearnerConfig, mesh_shape=(1, 1, 1)) -> Learner:

@@ -114,15 +114,16 @@ def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_nam
   only its own forward and backward, and its loss sends no gradient into the policy.
   """
   params, draft_params = trainable
+  target_logp = lambda logits: jnp.take_along_axis(  # noqa: E731  [m, T, V] -> [m, T]
+      jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
   logits = teacher_forced(graphdef, params, mb["tokens"], mb["valid"]).logits  # [m, T, V]
-  logp = jnp.take_along_axis(jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
+  logp = target_logp(logits)
   per_token, clipped = losses.get_policy_loss(loss_name)(logp, mb["old_logp"], mb["adv"], p)
   m = mb["mask"]
   kl = jnp.zeros_like(logp)
   if ref_params is not None:
-    ref_logits = teacher_forced(graphdef, ref_params, mb["tokens"], mb["valid"]).logits
-    ref_logp = jnp.take_along_axis(jax.nn.log_softmax(ref_logits), mb["targets"][..., None],
-                                   -1)[..., 0]
+    ref_logp = target_logp(teacher_forced(graphdef, ref_params, mb["tokens"],
+                                          mb["valid"]).logits)
     kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp))
     per_token = per_token + p.kl_coef * kl
   loss = (per_token * mb["weight"]).sum()
