@@ -1,9 +1,9 @@
 """RL step time with AR vs speculative rollouts: ``python -m spec_rl_jax.bench.rl``.
 
-The same short GRPO run (a recipe: the CPU default unless ``--config``; no evaluation)
-with AR rollouts (``K = 0``) and with speculative rollouts (``drafter.num_draft_tokens``
-from the recipe's proposer: ``auto``, or a fixed K; the draft model by default),
-measured side by side in one process:
+The same short GRPO run (a recipe: the CPU default unless ``--config``) with AR
+rollouts (``K = 0``) and with speculative rollouts (``drafter.num_draft_tokens`` from
+the recipe's proposer: ``auto``, or a fixed K; the draft model by default), measured
+side by side in one process:
 
   1. **runs** — for each seed, an AR and an SD trainer built from the same
      (config, seed) take their steps interleaved (AR SD, SD AR, AR SD, ...: machine
@@ -15,10 +15,13 @@ measured side by side in one process:
      later steps still compile new shapes — micro-batch lengths, decode buckets — which
      a long run compiles once, so these are its steady state (`recipe_speedups`; the
      wall-clock ratios with the compiles left in are reported too), every step's
-     record (``steps`` in the JSON), and the reward curves. SD is lossless, so the
-     curves must agree within seed noise: the summary gives the SD − AR difference of
-     the final reward (mean of each run's last third of steps, averaged over seeds)
-     next to the seed-to-seed standard deviation of that final reward.
+     record (``steps`` in the JSON), the reward curves, and the held-out accuracy of
+     both before the first step, every ``eval_every`` steps and after the last
+     (``held_out``; ``eval_n`` prompts per source, outside the timed steps). SD is
+     lossless, so the curves must agree within seed noise: the summary gives the
+     SD − AR difference of the final reward (mean of each run's last third of steps,
+     averaged over seeds) next to the seed-to-seed standard deviation of that final
+     reward.
   2. **sweep** — rollout batch ``N = prompts_per_step × group_size`` (decoded as one
      batch: ``num_slots = N``) × response length ``L = max_new_tokens``, with EOS
      ignored so every response has exactly ``L`` tokens (as in vLLM's ``ignore_eos``
@@ -30,10 +33,12 @@ measured side by side in one process:
      rollout a larger share of the step: the sweep shows both.
 
 ``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
-minutes; ``--seeds/--steps/--batches/--lengths/--sweep-steps`` replace the plan's
-fields (e.g. a long-response recipe, ``--config configs/counting_long.yaml``, sweeps
-lengths in the thousands). JSON (``--out``), the printed tables and PNG plots next to
-the JSON (``rl_reward_curves.png``, ``rl_speedup.png``).
+minutes; ``--seeds/--steps/--eval-n/--eval-every/--batches/--lengths/--sweep-steps``
+replace the plan's fields (e.g. a long-response recipe, ``--config
+configs/counting_long.yaml``, sweeps lengths in the thousands). JSON (``--out``), the
+printed tables and PNG plots next to the JSON: ``rl_reward_curves.png`` (AR and SD
+reward, raw and trailing mean, and held-out accuracy, against steps and against
+training seconds) and ``rl_speedup.png`` (the sweep).
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ import tempfile
 
 import jax
 import numpy as np
+from matplotlib.figure import Figure
 from tqdm import tqdm
 
 from spec_rl_jax.bench import common
 from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.config import TrainConfig, load_config
+from spec_rl_jax.rl.metrics import (draw_held_out, draw_trend, held_out_accuracy,
+                                    moving_average, trend_window)
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.train import Trainer
 
@@ -67,25 +75,28 @@ SYSTEMS = ("AR", "SD")
 class Plan:
   seeds: tuple[int, ...]
   steps: int  # per run, the compiling first step included
+  eval_n: int  # held-out prompts per source per evaluation (0: none)
+  eval_every: int  # steps between evaluations (0: only before and after)
   batches: tuple[tuple[int, int], ...]  # sweep: (prompts_per_step, group_size)
   lengths: tuple[int, ...]  # sweep: max_new_tokens
   sweep_steps: int  # measured steps per system and cell (after one compiling step)
 
 
-FULL = Plan(seeds=(0, 1, 2), steps=12, batches=((2, 8), (8, 8), (32, 8)),
-            lengths=(32, 96), sweep_steps=2)
-QUICK = Plan(seeds=(0, 1), steps=3, batches=((2, 4), (8, 4)), lengths=(16, 48),
-             sweep_steps=1)
+FULL = Plan(seeds=(0, 1, 2), steps=12, eval_n=50, eval_every=4,
+            batches=((2, 8), (8, 8), (32, 8)), lengths=(32, 96), sweep_steps=2)
+QUICK = Plan(seeds=(0, 1), steps=3, eval_n=16, eval_every=0, batches=((2, 4), (8, 4)),
+             lengths=(16, 48), sweep_steps=1)
 
 
-def variant(base: TrainConfig, run_dir: str, K: int | str, seed: int = 0) -> TrainConfig:
-  """``base`` with ``K`` drafts (or ``auto``), rollout and data ``seed``, no evaluation,
-  no bar."""
+def variant(base: TrainConfig, run_dir: str, K: int | str, seed: int = 0,
+            eval_n: int = 0) -> TrainConfig:
+  """``base`` with ``K`` drafts (or ``auto``), rollout and data ``seed``, ``eval_n``
+  held-out prompts per source (`Trainer.evaluate`; 0: no evaluation), no bar."""
   return dataclasses.replace(
       base, run_dir=run_dir, progress=False,
       drafter=dataclasses.replace(base.drafter, num_draft_tokens=K),
       rollout=dataclasses.replace(base.rollout, seed=seed),
-      data=dataclasses.replace(base.data, seed=seed, eval_n=0))
+      data=dataclasses.replace(base.data, seed=seed, eval_n=eval_n))
 
 
 def sweep_config(base: TrainConfig, B: int, G: int, L: int) -> TrainConfig:
@@ -127,6 +138,26 @@ def interleave(trainers: dict[str, Trainer], steps: int,
       if progress is not None:
         progress.update(1)
   return records
+
+
+def interleave_evaluated(trainers: dict[str, Trainer], steps: int, every: int
+                         ) -> tuple[dict[str, list[dict]], dict[str, list[dict]]]:
+  """`interleave` in segments of ``every`` steps (0: one segment), every trainer
+  evaluated on the held-out prompts before the first segment and after each one:
+  ``(step records, {name: [{"step": t, "eval/<task>/<metric>": value, ...}]})``.
+  Evaluations run between `Trainer.train_step` calls, so no step's timer holds one."""
+  records = {name: [] for name in trainers}
+  evals = {name: [] for name in trainers}
+  done = 0
+  while True:
+    for name, tr in trainers.items():
+      evals[name].append({"step": done, **tr.evaluate()})
+    if done == steps:
+      return records, evals
+    segment = min(every or steps, steps - done)
+    for name, part in interleave(trainers, segment).items():
+      records[name] += part
+    done += segment
 
 
 def net_s(record: dict, phase: str) -> float:
@@ -189,17 +220,21 @@ def recipe_speedups(pairs: list[tuple[dict, dict]]) -> dict[str, float]:
 
 
 def run_seeds(base: TrainConfig, plan: Plan, tmp: str
-              ) -> tuple[list[dict], dict, dict, list[dict]]:
+              ) -> tuple[list[dict], dict, dict, list[dict], list[dict]]:
   """Part 1: AR and SD runs per seed. Returns (rows, summary entries, curves, per-step
-  records)."""
+  records, held-out evaluations)."""
   K = base.drafter.num_draft_tokens
-  rows, curves, pairs, steps = [], {s: {} for s in SYSTEMS}, [], []
+  rows, curves, pairs, steps, held_out = [], {s: {} for s in SYSTEMS}, [], [], []
   finals = {s: [] for s in SYSTEMS}
   for seed in plan.seeds:
-    trainers = {s: Trainer(variant(base, f"{tmp}/runs/{s}{seed}", k, seed))
+    trainers = {s: Trainer(variant(base, f"{tmp}/runs/{s}{seed}", k, seed, plan.eval_n))
                 for s, k in zip(SYSTEMS, (0, K))}
     try:
-      records = interleave(trainers, plan.steps)
+      if plan.eval_n:
+        records, evals = interleave_evaluated(trainers, plan.steps, plan.eval_every)
+        held_out += [{"seed": seed, "system": s, **e} for s in SYSTEMS for e in evals[s]]
+      else:
+        records = interleave(trainers, plan.steps)
     finally:
       _close(trainers)
     for s in SYSTEMS:
@@ -225,7 +260,7 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str
       "final_reward_seed_std": seed_std,
       "final_reward_diff_over_seed_std": diff / seed_std if seed_std else None,
   }
-  return rows, summary, curves, steps
+  return rows, summary, curves, steps, held_out
 
 
 def run_sweep(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict]:
@@ -259,27 +294,75 @@ def run_sweep(base: TrainConfig, plan: Plan, tmp: str) -> tuple[list[dict], dict
   return rows, summary
 
 
-def plot(out: str, curves: dict, sweep_rows: list[dict]) -> list[str]:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+def seed_mean(series: list[dict[str, tuple[list, list]]]) -> dict[str, tuple[list, list]]:
+  """`held_out_accuracy` series of several seeds (evaluated at the same steps) as their
+  mean over seeds."""
+  return {name: (steps, list(np.nanmean([s[name][1] for s in series], axis=0)))
+          for name, (steps, _) in series[0].items()}
 
-  folder = pathlib.Path(out).parent
-  paths = [str(folder / "rl_reward_curves.png"), str(folder / "rl_speedup.png")]
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for s, style in zip(SYSTEMS, ("-", "--")):
-    for i, (seed, ys) in enumerate(sorted(curves[s].items())):
-      ax.plot(range(1, len(ys) + 1), ys, style, color=f"C{i}", alpha=0.8,
-              label=f"{s} seed {seed}")
-  ax.set_xlabel("step")
-  ax.set_ylabel("rollout reward (mean)")
-  ax.set_title("GRPO reward: AR (solid) vs SD (dashed) rollouts")
-  ax.legend(fontsize=7, ncol=2)
+
+def draw_system(axes, system: str, color: str, steps: list[dict],
+                held_out: list[dict]) -> None:
+  """One system's curves on ``axes`` (rows: reward, held-out accuracy if any; columns:
+  against steps, against training seconds): the mean over seeds of the raw reward and
+  its trailing mean, the band the seeds' trailing means span, the seeds' mean held-out
+  accuracy."""
+  seeds = sorted({r["seed"] for r in steps})
+  runs = [sorted((r for r in steps if r["system"] == system and r["seed"] == seed),
+                 key=lambda r: r["step"]) for seed in seeds]
+  t = np.array([r["step"] for r in runs[0]])
+  rewards = np.array([[r["reward_mean"] for r in run] for run in runs])
+  # A step's seconds less its compiles (`net_s` on the JSON's step records): a short
+  # run's compiles (SD's take longer) would otherwise dominate a clock that a long run
+  # pays them on once.
+  seconds = np.mean([np.cumsum([r["step_s"] - r["rollout_compile_s"] - r["update_compile_s"]
+                                for r in run]) for run in runs], axis=0)
+  window = trend_window(len(t))
+  label = system if len(runs) == 1 else f"{system}, mean of {len(runs)} seeds"
+  for ax, x in zip(axes[0], (t, seconds)):
+    draw_trend(ax, t, rewards.mean(0), window, color, label, x=x)
+    if len(runs) > 1:
+      band = [moving_average(t, r, window) for r in rewards]
+      ax.fill_between(x, np.min(band, 0), np.max(band, 0), color=color, alpha=0.15,
+                      label=f"{system}: seeds' trailing means, min to max")
+  if len(axes) > 1:
+    series = seed_mean([held_out_accuracy([e for e in held_out if e["system"] == system
+                                           and e["seed"] == seed]) for seed in seeds])
+    clock = np.concatenate([[0.0], seconds])  # evaluation after step k: at clock[k]
+    for ax, x in zip(axes[1], (None, lambda ks: clock[np.asarray(ks)])):
+      draw_held_out(ax, series, color, f"{system}: ", x)
+
+
+def plot_runs(path: str, steps: list[dict], held_out: list[dict]) -> str:
+  """Part 1's figure: AR and SD reward (and held-out accuracy, when evaluated) against
+  steps and against training seconds, where SD's faster steps show; writes ``path``."""
+  rows = 2 if held_out else 1
+  fig = Figure(figsize=(12, 4.2 * rows))
+  axes = fig.subplots(rows, 2, sharex="col", squeeze=False)
+  for i, system in enumerate(SYSTEMS):
+    draw_system(axes, system, f"C{i}", steps, held_out)
+  axes[0, 0].set_title("GRPO rollout reward, AR vs SD rollouts")
+  axes[0, 1].set_title("the same against training time")
+  for ax in axes[0]:
+    ax.set_ylabel("rollout reward (mean)")
+  if held_out:
+    axes[1, 0].set_title("held-out pass@1 (mean over seeds)", fontsize=10)
+  axes[-1, 0].set_xlabel("step")
+  axes[-1, 1].set_xlabel("training seconds (cumulative, XLA compiles taken out)")
+  for ax in axes.flat:
+    ax.grid(alpha=0.3)
+  for ax in axes[:, 0]:  # the right column draws the same lines
+    ax.legend(fontsize=7)
   fig.tight_layout()
-  fig.savefig(paths[0], dpi=120)
-  plt.close(fig)
+  fig.savefig(path, dpi=120)
+  return path
 
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+
+def plot_sweep(path: str, sweep_rows: list[dict]) -> str:
+  """Part 2's figure: step and rollout speedup over rollout batch, one line per
+  response length; writes ``path``."""
+  fig = Figure(figsize=(10, 4))
+  axes = fig.subplots(1, 2)
   sd_rows = [r for r in sweep_rows if r["system"] == "SD"]
   for L in sorted({r["L"] for r in sd_rows}):
     cells = sorted((r for r in sd_rows if r["L"] == L), key=lambda r: r["N"])
@@ -293,9 +376,8 @@ def plot(out: str, curves: dict, sweep_rows: list[dict]) -> list[str]:
     ax.set_title(f"{title} speedup")
     ax.legend()
   fig.tight_layout()
-  fig.savefig(paths[1], dpi=120)
-  plt.close(fig)
-  return paths
+  fig.savefig(path, dpi=120)
+  return path
 
 
 def plan_from_args(args: argparse.Namespace) -> Plan:
@@ -304,6 +386,8 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
   fields = {
       "seeds": args.seeds and ints(args.seeds),
       "steps": args.steps,
+      "eval_n": args.eval_n,
+      "eval_every": args.eval_every,
       "batches": args.batches and tuple(tuple(int(x) for x in cell.split("x"))
                                         for cell in args.batches.split(",")),
       "lengths": args.lengths and ints(args.lengths),
@@ -320,6 +404,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--out", default=common.default_out("rl"))
   parser.add_argument("--seeds", default=None, help="runs: seeds, e.g. 0,1,2")
   parser.add_argument("--steps", type=int, default=None, help="runs: steps per run")
+  parser.add_argument("--eval-n", type=int, default=None,
+                      help="runs: held-out prompts per source per evaluation (0: none)")
+  parser.add_argument("--eval-every", type=int, default=None,
+                      help="runs: steps between evaluations (0: only before and after)")
   parser.add_argument("--batches", default=None,
                       help="sweep: prompts x group cells, e.g. 2x8,8x8")
   parser.add_argument("--lengths", default=None, help="sweep: max_new_tokens, e.g. 32,96")
@@ -333,7 +421,7 @@ def main(argv=None) -> dict:
     # Trainers of equal shapes (every seed, every system's learner) compile once.
     jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    run_rows, summary, curves, steps = run_seeds(base, plan, tmp)
+    run_rows, summary, curves, steps, held_out = run_seeds(base, plan, tmp)
     print(f"runs: {base.rollout.prompts_per_step}x{base.rollout.group_size} responses,"
           f" max_new_tokens {base.rollout.max_new_tokens}, seeds {list(plan.seeds)},"
           f" {plan.steps} steps")
@@ -366,9 +454,11 @@ def main(argv=None) -> dict:
         f" {summary['final_reward_diff_sd_minus_ar']:+.3f} vs seed std"
         f" {'n/a (one seed)' if std is None else f'{std:.3f}'}")
   result = common.write_results(args.out, "rl", args.quick, summary, run_rows + sweep_rows,
-                                reward_curves=curves, steps=steps,
+                                reward_curves=curves, steps=steps, held_out=held_out,
                                 plan=dataclasses.asdict(plan))
-  for p in plot(args.out, curves, sweep_rows):
+  folder = pathlib.Path(args.out).parent
+  for p in (plot_runs(str(folder / "rl_reward_curves.png"), steps, held_out),
+            plot_sweep(str(folder / "rl_speedup.png"), sweep_rows)):
     print(f"wrote {p}")
   return result["summary"]
 
