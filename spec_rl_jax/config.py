@@ -210,12 +210,15 @@ class DataConfig:
 
   sources: tuple[str, ...] = ("task:countdown",)
   default_reward: str = "math"  # reward of records without a "task" field
+  format_weight: float = 0.0  # w in r = correct + w * well_formed (rl/rewards.py)
   seed: int = 0
   eval_n: int = 100  # held-out prompts per source (0: no evaluation)
   eval_k: int = 4  # samples per held-out prompt
   eval_every: int = 20  # steps between evaluations (0: only before and after)
 
   def __post_init__(self):
+    if not 0.0 <= self.format_weight <= 1.0:
+      raise ConfigError(f"data.format_weight must be in [0, 1], got {self.format_weight}")
     for i, spec in enumerate(self.sources):
       try:
         source = data.Source.parse(spec)

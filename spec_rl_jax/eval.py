@@ -93,7 +93,7 @@ def _max_new_tokens(tokenizer: Tokenizer, records) -> int:
 
 def score(tokenizer: Tokenizer, records, responses) -> list[float]:
   texts = [tokenizer.decode(r) for r in responses]
-  return rewards.batch_rewards(records, texts)
+  return list(rewards.score_batch(records, texts).correct)
 
 
 def evaluate_source(engine: RolloutEngine, tokenizer: Tokenizer, source: data.Source, n: int,

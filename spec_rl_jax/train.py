@@ -54,7 +54,7 @@ from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
 from spec_rl_jax.rl.learner import Learner, pack_rollouts
 from spec_rl_jax.rl.prompts import prompt_stream
-from spec_rl_jax.rl.rewards import batch_rewards
+from spec_rl_jax.rl.rewards import score_batch
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
@@ -253,8 +253,9 @@ class Trainer:
     t1 = time.perf_counter()
     bar.set_description(f"step {t + 1} reward")
     texts = [self.tokenizer.decode(r.tokens) for r in result.responses]
-    rewards = np.asarray(batch_rewards([rec for rec in records for _ in range(G)], texts,
-                                       self.cfg.data.default_reward), np.float32)
+    scores = score_batch([rec for rec in records for _ in range(G)], texts,
+                         self.cfg.data.default_reward, self.cfg.data.format_weight)
+    rewards = scores.reward
     adv = compute_advantages(self.cfg.learner.advantage, rewards.reshape(-1, G),
                              self.cfg.learner.adv_eps)
     t2 = time.perf_counter()
@@ -280,7 +281,9 @@ class Trainer:
     m = result.metrics
     return {
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
-        "rollout/accuracy": float((rewards >= 1.0).mean()),
+        "rollout/accuracy": float(scores.correct.mean()),
+        "rollout/well_formed_frac": float(scores.well_formed.mean()),
+        "rollout/unreadable_frac": float(1.0 - scores.readable.mean()),
         "rollout/response_len": float(lengths.mean()),
         "rollout/truncated_frac": float(np.mean([r.finish_reason == "length"
                                                  for r in result.responses])),

@@ -52,6 +52,7 @@ def test_dotted_overrides_are_typed():
     ("drafter.num_draft_tokens=2.5", r"must be one of int \| str, got 2.5"),
     ("drafter.max_draft_tokens=0", r"auto needs drafter.max_draft_tokens >= 1"),
     ("drafter.num_draft_tokens=6", r"in \[0, drafter.max_draft_tokens = 4\] or 'auto', got 6"),
+    ("data.format_weight=-0.1", r"data.format_weight must be in \[0, 1\], got -0.1"),
 ])
 def test_bad_overrides(override, message):
   with pytest.raises(ConfigError, match=message):

@@ -4,8 +4,10 @@ import threading
 
 import pytest
 
-from spec_rl_jax.rl.rewards import (REWARDS, batch_rewards, get_reward, math_reward,
-                                    reward_for)
+import numpy as np
+
+from spec_rl_jax.rl.rewards import (REWARDS, get_reward, math_reward, reward_for,
+                                    score_batch)
 
 GSM8K_GOLD = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
               "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n"
@@ -74,9 +76,26 @@ def test_reward_for_dispatches_on_the_task_field():
   assert reward_for(countdown, "#### 3*2") == 1.0
   assert reward_for(countdown, "#### 6") == 0.0  # math would accept; the task does not
   assert reward_for(user, "\\boxed{\\frac{1}{2}}") == 1.0
-  assert batch_rewards([arithmetic, user], ["#### 5", "#### 7"]) == [1.0, 0.0]
+  assert list(score_batch([arithmetic, user], ["#### 5", "#### 7"]).reward) == [1.0, 0.0]
   with pytest.raises(ValueError, match="responses"):
-    batch_rewards([arithmetic], [])
+    score_batch([arithmetic], [])
   with pytest.raises(KeyError, match="known rewards"):
     get_reward("sudoku")
   assert {"math", "arithmetic", "countdown"} <= set(REWARDS)
+
+
+def test_format_reward_and_unreadable_answers_are_scored_and_counted():
+  mul = {"prompt": "What is 12*3?", "task": "multiplication",
+         "answer": "12*3: 2*3=6, 1*3=3, so 36. #### 36"}
+  user = {"prompt": "What is 6*6?", "answer": "#### 36"}
+  responses = [mul["answer"],                          # right and well formed
+               "12*3: 2*3=6, 1*3=3, so 36. #### 35",   # well formed, wrong
+               "thirty-six #### 36",                   # right, worked part malformed
+               "12*3: 2*3=6, 1*3=3, so 36. #### ?!",   # math-verify reads nothing
+               "#### 36"]                              # no task grammar: a final answer
+  s = score_batch([mul] * 4 + [user], responses, format_weight=0.25)
+  np.testing.assert_array_equal(s.correct, [1, 0, 1, 0, 1])
+  np.testing.assert_array_equal(s.well_formed, [True, True, False, True, True])
+  np.testing.assert_array_equal(s.readable, [True, True, True, False, True])
+  np.testing.assert_allclose(s.reward, [1.25, 0.25, 1.0, 0.25, 1.25])
+  assert list(score_batch([mul], ["#### 36"]).reward) == [1.0]  # weight 0: correctness

@@ -13,6 +13,7 @@ from spec_rl_jax.tasks.arithmetic import Arithmetic, scratchpad
 from spec_rl_jax.tasks.base import (export_jsonl, final_answer, iterate, parse_int,
                                     problem_at, record_at, split_of, unique_records)
 from spec_rl_jax.tasks.countdown import Countdown, evaluate
+from spec_rl_jax.tasks.multiplication import Multiplication, worked_solution
 
 ALL = [get_task(n) for n in TASKS]
 IDS = list(TASKS)
@@ -188,3 +189,63 @@ def test_counting_geometric_spans_have_a_flat_stop_hazard():
   assert abs(np.mean(spans_u) - 21.5) < 0.6  # uniform stays the default
   with pytest.raises(ValueError, match="stop_hazard"):
     Counting(stop_hazard=1.0)
+
+
+@pytest.mark.parametrize("a,b", [(483, 25), (7, 9), (5043, 45), (6732, 342), (120, 105),
+                                 (99, 1000), (10, 10)])
+def test_multiplication_worked_solution_is_right_step_by_step(a, b):
+  """Every step's arithmetic, every partial product and the final sum are right."""
+  lines = worked_solution(a, b).split("\n")
+  partials = [x for x in lines if "*" in x]
+  assert len(partials) == len(str(b))
+  for line, digit in zip(partials, map(int, reversed(str(b)))):
+    head, _, body = line.partition(": ")
+    if digit == 0:
+      assert line == f"{a}*0=0."
+      continue
+    assert head == f"{a}*{digit}"
+    steps, _, value = body.rstrip(".").rpartition(", so ")
+    for step in steps.split(", "):
+      lhs, rhs = step.split("=")
+      assert eval(lhs) == int(rhs)  # digits and + * only
+    assert int(value) == a * digit
+  shifted = [a * d * 10**i for i, d in enumerate(map(int, reversed(str(b)))) if d]
+  if len(shifted) > 1:
+    assert lines[-1].startswith("+".join(map(str, shifted)) + ": ")
+    assert lines[-1].endswith(f", so {a * b}.")
+  else:
+    assert "+" not in lines[-1].split(": ")[0]
+
+
+def test_multiplication_example_from_the_docstring():
+  assert worked_solution(483, 25) == (
+      "483*5: 3*5=15, 8*5+1=41, 4*5+4=24, so 2415.\n"
+      "483*2: 3*2=6, 8*2=16, 4*2+1=9, so 966.\n"
+      "2415+9660: 5+0=5, 1+6=7, 4+6=10, 2+9+1=12, so 12075.")
+
+
+def test_multiplication_solutions_are_long_and_well_formed():
+  task = Multiplication()
+  recs = unique_records(task, "train", 0, 300)
+  assert all(task.well_formed(r["answer"]) for r in recs)
+  chars = [len(r["answer"]) for r in recs]
+  assert 100 <= np.median(chars) <= 400  # ~1 token per character (single digits)
+
+
+@pytest.mark.parametrize("response", [
+    "#### 12075",                                               # no worked part
+    "483*5: 3*5=15, so 2415. 2415+9660 #### 12075",              # sum line malformed
+    "483*5: 3*5=15 8*5+1=41, so 2415.\n#### 12075",              # missing separator
+    "483*5: 3*5=15, 8*5+1=41, so 2415.\n",                        # no final answer
+    "483*5: 3*5=15, 8*5+1=41, so 2415.\nthe answer\n#### 12075"])  # stray text
+def test_multiplication_malformed_worked_solutions_are_not_well_formed(response):
+  assert not Multiplication().well_formed(response)
+
+
+def test_multiplication_held_out_is_disjoint_even_with_the_training_seed():
+  """Train and held-out streams drawn with the same seed never share a problem: the
+  split is a hash of the problem, not of the seed."""
+  task = Multiplication(max_digits=2, max_multiplier_digits=2)  # a small space: collisions
+  train = {problem_at(task, "train", 0, i).key for i in range(2000)}
+  test = {problem_at(task, "test", 0, i).key for i in range(300)}
+  assert len(train) > 500 and len(test) > 50 and not train & test

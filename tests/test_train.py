@@ -25,13 +25,17 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
   K_max = 2 if K == "auto" else K
   overrides = tiny_overrides(models, run_dir, **{"drafter.proposer": proposer,
                                                  "drafter.num_draft_tokens": K,
-                                                 "drafter.max_draft_tokens": max(K_max, 2)})
+                                                 "drafter.max_draft_tokens": max(K_max, 2),
+                                                 "data.format_weight": 0.5})
   summary = train.main(overrides)
   assert summary["steps"] == 2
   records = read_metrics(run_dir)
   assert [r["step"] for r in records] == [1, 2]
   for r in records:
-    assert 0.0 <= r["rollout/reward_mean"] <= 1.0
+    # r = correct + w * well_formed (w = 0.5); unreadable answers are counted apart.
+    assert r["rollout/reward_mean"] == pytest.approx(
+        r["rollout/accuracy"] + 0.5 * r["rollout/well_formed_frac"])
+    assert 0.0 <= r["rollout/unreadable_frac"] <= 1.0
     assert r["rollout/response_len"] >= 1
     assert r["train/skipped"] == 0
     assert np.isfinite(r["train/loss"])

@@ -13,9 +13,10 @@ from spec_rl_jax.tasks.arithmetic import Arithmetic
 from spec_rl_jax.tasks.base import Task
 from spec_rl_jax.tasks.countdown import Countdown
 from spec_rl_jax.tasks.counting import Counting
+from spec_rl_jax.tasks.multiplication import Multiplication
 
 TASKS: dict[str, type] = {"arithmetic": Arithmetic, "countdown": Countdown,
-                          "counting": Counting}
+                          "counting": Counting, "multiplication": Multiplication}
 
 
 def get_task(name: str, **difficulty) -> Task:
