@@ -12,7 +12,8 @@ from spec_rl_jax import sharding
 from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
-from spec_rl_jax.rl.learner import Learner, micro_batches, padded_len
+from spec_rl_jax.rl import learner as learner_lib
+from spec_rl_jax.rl.learner import Learner, chunk_rows, micro_batches, padded_len
 from tests.rl_fixtures import random_rollouts
 
 # Heads and widths divisible by every mesh axis, so parameters really are distributed.
@@ -121,3 +122,21 @@ def test_update_reports_the_positions_it_computes():
 def test_sharded_mesh_gradient_matches_single_device(reference, mesh_shape):
   cfg = dataclasses.replace(LEARNER, micro_batch_size=4)
   _assert_same(_gradients(cfg, mesh_shape), reference)
+
+
+def test_chunked_forwards_accumulate_to_the_whole_batch_gradient(reference, monkeypatch):
+  # 256 positions per forward: the 16-row micro-batch runs as chunks of 2 (width 126)
+  # and 4 (width 64) rows.
+  monkeypatch.setattr(learner_lib, "training_forward_tokens", lambda: 256)
+  _assert_same(_gradients(LEARNER), reference)
+
+
+def test_chunk_rows_fit_the_positions_per_device():
+  assert chunk_rows(32, 316, None, 1) == 32  # no limit: the whole micro-batch
+  assert chunk_rows(32, 316, 2048, 1) == 4
+  assert chunk_rows(32, 64, 2048, 1) == 32
+  # Rows split over 8 devices: chunks of whole multiples of 8, positions per device.
+  assert chunk_rows(32, 316, 2048, 8) == 32
+  assert chunk_rows(32, 316, 512, 8) == 8
+  assert chunk_rows(32, 4096, 2048, 1) == 1  # wider than the limit: one row at a time
+  assert chunk_rows(12, 316, 2048, 8) == 6  # 12 rows do not split over 8 devices

@@ -37,6 +37,13 @@ INPUT_MAJOR_MIN_ROWS = 2
 # too, which XLA's loop emitter runs much slower in the MLP's backward.
 _CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                          "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
+# XLA:CPU, training programs: positions per forward + backward. Past a few thousand
+# positions a layer's activations ([positions, mlp_dim] fp32) leave the caches and the
+# elementwise work between the dots runs at memory speed: a [32, 316] micro-batch of the
+# default policy computed as 4 scanned chunks of [8, 316] took 0.75x the time, of
+# [4, 316] 0.73x; [32, 64] as [16, 64] 0.98x (docs/benchmarks.md, learner vs matmul).
+# Accelerators keep whole micro-batches (bigger matmuls).
+_TRAINING_FORWARD_TOKENS = {"cpu": 2048}
 # XLA:CPU, forward-only programs: YNNPACK runs each dot on its own; handing it whole
 # subgraphs (dots with the elementwise ops between them) runs much slower once a dot
 # has more than a few rows.
@@ -103,3 +110,10 @@ def training_compiler_options(backend: str | None = None) -> dict[str, str] | No
   """``compiler_options`` for jitted training steps on ``backend``."""
   backend = jax.default_backend() if backend is None else backend
   return dict(_CPU_TRAINING_OPTIONS) if backend == "cpu" else None
+
+
+def training_forward_tokens(backend: str | None = None) -> int | None:
+  """Positions per device a training forward + backward should cover on ``backend``
+  (``None``: no limit, the whole micro-batch at once)."""
+  backend = jax.default_backend() if backend is None else backend
+  return _TRAINING_FORWARD_TOKENS.get(backend)

@@ -6,7 +6,10 @@ gradients are accumulated on device before the step. Loss weights come from the
 aggregation over the whole mini-batch (losses.py), so accumulation is exact:
 ``∇L_mb = Σ_micro ∇ Σ_{i,t} w_{i,t} ℓ_{i,t}``. Micro-batches group responses of
 similar length and drop the padding columns none of them use (`micro_batches`): the
-update of a long-response step costs what its responses need, not ``T`` each.
+update of a long-response step costs what its responses need, not ``T`` each. Where
+the backend runs long forwards slower per position (XLA:CPU: activations leave the
+caches), a micro-batch's forward + backward runs in scanned chunks of rows
+(`chunk_rows`; same gradient, summed in another order).
 
 Old-policy logprobs ``log π_old`` are the rollout's raw-policy ones
 (``Response.policy_logprobs``: the target's verification logits, no temperature/top-k/
@@ -46,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_rl_jax import sharding
 from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig
-from spec_rl_jax.models.layout import training_compiler_options
+from spec_rl_jax.models.layout import training_compiler_options, training_forward_tokens
 from spec_rl_jax.models.transformer import Decoder, teacher_forced
 from spec_rl_jax.rl import losses
 
@@ -211,6 +214,7 @@ class Learner:
     self.mesh = mesh = (leaf.sharding.mesh if isinstance(leaf.sharding, NamedSharding)
                         else sharding.make_mesh((1, 1, 1)))
     replicated = NamedSharding(mesh, P())
+    self._forward_tokens = training_forward_tokens()
     self.state = {"params": params, "opt": self._init_opt(self.tx, params)}
     self.draft_graphdef, self.draft_tx, distill = None, None, None
     if drafter is not None:
@@ -298,9 +302,13 @@ class Learner:
     return out
 
   def _place(self, micros: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    """Micro-batches ``[n_g, m, ...]`` with their ``m`` rows split over the mesh's batch
-    axes (``data`` × ``fsdp``, where ``m`` divides; else replicated)."""
+    """Micro-batches ``[n_g, m, ...]`` in `chunk_rows` chunks ``[n_g·m/c, c, ...]``,
+    with their ``c`` rows split over the mesh's batch axes (``data`` × ``fsdp``, where
+    ``c`` divides; else replicated)."""
     shape = dict(self.mesh.shape)
+    n_g, m, width = micros["tokens"].shape
+    c = chunk_rows(m, width, self._forward_tokens, shape["data"] * shape["fsdp"])
+    micros = {k: v.reshape(n_g * m // c, c, *v.shape[2:]) for k, v in micros.items()}
     return {k: jax.device_put(v, NamedSharding(self.mesh, sharding.logical_to_spec(
         (None, "batch", *(None,) * (v.ndim - 2)), v.shape, shape))) for k, v in micros.items()}
 
@@ -358,6 +366,22 @@ def padded_len(n: int, T: int) -> int:
   step = -(-T // BUCKETS)
   step = -(-step // 64) * 64
   return min(T, -(-max(n, 1) // step) * step)
+
+
+def chunk_rows(m: int, width: int, tokens: int | None, devices: int) -> int:
+  """Rows per forward + backward of a micro-batch ``[m, width]``: the most whose
+  positions per device stay within ``tokens`` (``None``: all ``m``), a divisor of ``m``
+  and, where ``m`` splits over the ``devices`` of the mesh's batch axes, a multiple of
+  them (each device keeps a share of every chunk); at least the smallest such.
+
+  Chunks are consecutive rows of one micro-batch (similar lengths, `micro_batches`) at
+  its width, so they add no compiled widths and no padding.
+  """
+  if tokens is None:
+    return m
+  split = devices if m % devices == 0 else 1
+  options = [c for c in range(split, m + 1, split) if m % c == 0]
+  return max((c for c in options if c * width <= tokens * split), default=options[0])
 
 
 def micro_batches(mb: dict[str, np.ndarray], m: int) -> list[dict[str, np.ndarray]]:
