@@ -41,7 +41,8 @@ from spec_rl_jax.compiles import use_persistent_cache
 from spec_rl_jax.models import hf_io
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
-from spec_rl_jax.models.layout import training_compiler_options
+from spec_rl_jax.models.layout import (chunk_rows, training_compiler_options,
+                                       training_forward_tokens)
 from spec_rl_jax.models.transformer import init_decoder, param_count, teacher_forced
 from spec_rl_jax.rl import losses
 from spec_rl_jax.tasks.bpe import default_tokenizer
@@ -130,13 +131,14 @@ def _logits(graphdef, params, batch) -> jax.Array:
   return teacher_forced(graphdef, params, batch["tokens"], batch["valid"]).logits
 
 
-def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float):
-  """Masked mean over response tokens of ``(1-α)·CE + α·KL(teacher || student)`` (the
-  RL learner's ``forward_kl`` drafter loss, rl/losses.py); returns metrics."""
+def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float, n):
+  """``(1-α)·CE + α·KL(teacher || student)`` summed over ``batch``'s response tokens and
+  divided by ``n`` (the whole step's count, so chunks add up to the step's masked mean;
+  the KL is the RL learner's ``forward_kl`` drafter loss, rl/losses.py); returns
+  metrics in the same form."""
   logits = _logits(graphdef, params, batch)
   logp = jax.nn.log_softmax(logits)  # [B, T, V]
   mask = batch["loss_mask"]
-  n = jnp.maximum(mask.sum(), 1.0)
   ce = -(jnp.take_along_axis(logp, batch["targets"][..., None], -1)[..., 0] * mask).sum() / n
   acc = ((logp.argmax(-1) == batch["targets"]) * mask).sum() / n
   metrics = {"ce": ce, "token_acc": acc}
@@ -149,13 +151,24 @@ def sft_loss(graphdef, params, batch, teacher_logits, distill_weight: float):
 
 
 def train_step(graphdef, state, batch, teacher_params=None, *, teacher_graphdef=None,
-               tx, distill_weight: float = 0.0):
-  """One optimizer step on ``state = {"params", "opt", "step"}``."""
-  teacher_logits = (None if teacher_graphdef is None else
-                    jax.lax.stop_gradient(_logits(teacher_graphdef, teacher_params, batch)))
-  grad_fn = jax.value_and_grad(sft_loss, argnums=1, has_aux=True)
-  (_, metrics), grads = grad_fn(graphdef, state["params"], batch, teacher_logits,
-                               distill_weight)
+               tx, distill_weight: float = 0.0, rows: int):
+  """One optimizer step on ``state = {"params", "opt", "step"}``; the batch's forward +
+  backward runs as scanned chunks of ``rows`` rows (`layout.chunk_rows`: long forwards
+  run slower per position on some backends), gradients and metrics summed."""
+  n = jnp.maximum(batch["loss_mask"].sum(), 1.0)
+  chunks = jax.tree.map(lambda x: x.reshape(x.shape[0] // rows, rows, *x.shape[1:]), batch)
+
+  def body(acc, chunk):
+    teacher_logits = (None if teacher_graphdef is None else jax.lax.stop_gradient(
+        _logits(teacher_graphdef, teacher_params, chunk)))
+    grad_fn = jax.value_and_grad(sft_loss, argnums=1, has_aux=True)
+    (_, metrics), grads = grad_fn(graphdef, state["params"], chunk, teacher_logits,
+                                 distill_weight, n)
+    return jax.tree.map(jnp.add, acc, (grads, metrics)), None
+
+  keys = ("ce", "token_acc", "loss") + (() if teacher_graphdef is None else ("kd",))
+  init = (jax.tree.map(jnp.zeros_like, state["params"]), {k: jnp.float32(0) for k in keys})
+  grads, metrics = jax.lax.scan(body, init, chunks)[0]
   updates, opt = tx.update(grads, state["opt"], state["params"])
   params = optax.apply_updates(state["params"], updates)
   metrics["grad_norm"] = optax.tree.norm(grads)
@@ -213,8 +226,9 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
       raise ValueError(f"{run_dir} holds a run with a different config; delete it or"
                        " use another run directory")
   teacher_graphdef, teacher_params = _teacher(cfg, tokenizer)
+  rows = chunk_rows(cfg.batch_size, cfg.max_len, training_forward_tokens(), 1)
   step_fn = jax.jit(functools.partial(train_step, graphdef, teacher_graphdef=teacher_graphdef,
-                                      tx=tx, distill_weight=cfg.distill_weight),
+                                      tx=tx, distill_weight=cfg.distill_weight, rows=rows),
                     donate_argnums=0, compiler_options=training_compiler_options())
   writer = SummaryWriter(os.path.join(run_dir, "tb"))
   start = int(state["step"])

@@ -13,7 +13,8 @@ from spec_rl_jax.config import LearnerConfig
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
 from spec_rl_jax.rl import learner as learner_lib
-from spec_rl_jax.rl.learner import Learner, chunk_rows, micro_batches, padded_len
+from spec_rl_jax.models.layout import chunk_rows
+from spec_rl_jax.rl.learner import Learner, micro_batches, padded_len
 from tests.rl_fixtures import random_rollouts
 
 # Heads and widths divisible by every mesh axis, so parameters really are distributed.

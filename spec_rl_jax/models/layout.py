@@ -39,10 +39,9 @@ _CPU_TRAINING_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                          "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_ELTWISE"}
 # XLA:CPU, training programs: positions per forward + backward. Past a few thousand
 # positions a layer's activations ([positions, mlp_dim] fp32) leave the caches and the
-# elementwise work between the dots runs at memory speed: a [32, 316] micro-batch of the
-# default policy computed as 4 scanned chunks of [8, 316] took 0.75x the time, of
-# [4, 316] 0.73x; [32, 64] as [16, 64] 0.98x (docs/benchmarks.md, learner vs matmul).
-# Accelerators keep whole micro-batches (bigger matmuls).
+# elementwise work between the dots runs at memory speed, so long micro-batches run
+# faster as scanned chunks of rows. Accelerators keep whole micro-batches (bigger
+# matmuls).
 _TRAINING_FORWARD_TOKENS = {"cpu": 2048}
 # XLA:CPU, forward-only programs: YNNPACK runs each dot on its own; handing it whole
 # subgraphs (dots with the elementwise ops between them) runs much slower once a dot
@@ -117,3 +116,19 @@ def training_forward_tokens(backend: str | None = None) -> int | None:
   (``None``: no limit, the whole micro-batch at once)."""
   backend = jax.default_backend() if backend is None else backend
   return _TRAINING_FORWARD_TOKENS.get(backend)
+
+
+def chunk_rows(m: int, width: int, tokens: int | None, devices: int) -> int:
+  """Rows per forward + backward of a micro-batch ``[m, width]``: the most whose
+  positions per device stay within ``tokens`` (``None``: all ``m``), a divisor of ``m``
+  and, where ``m`` splits over the ``devices`` of the mesh's batch axes, a multiple of
+  them (each device keeps a share of every chunk); at least the smallest such.
+
+  Chunks are consecutive rows of one micro-batch at its width, so they add no compiled
+  widths and no padding.
+  """
+  if tokens is None:
+    return m
+  split = devices if m % devices == 0 else 1
+  options = [c for c in range(split, m + 1, split) if m % c == 0]
+  return max((c for c in options if c * width <= tokens * split), default=options[0])

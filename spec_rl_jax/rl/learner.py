@@ -49,7 +49,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from spec_rl_jax import sharding
 from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig
-from spec_rl_jax.models.layout import training_compiler_options, training_forward_tokens
+from spec_rl_jax.models.layout import (chunk_rows, training_compiler_options,
+                                       training_forward_tokens)
 from spec_rl_jax.models.transformer import Decoder, teacher_forced
 from spec_rl_jax.rl import losses
 
@@ -366,22 +367,6 @@ def padded_len(n: int, T: int) -> int:
   step = -(-T // BUCKETS)
   step = -(-step // 64) * 64
   return min(T, -(-max(n, 1) // step) * step)
-
-
-def chunk_rows(m: int, width: int, tokens: int | None, devices: int) -> int:
-  """Rows per forward + backward of a micro-batch ``[m, width]``: the most whose
-  positions per device stay within ``tokens`` (``None``: all ``m``), a divisor of ``m``
-  and, where ``m`` splits over the ``devices`` of the mesh's batch axes, a multiple of
-  them (each device keeps a share of every chunk); at least the smallest such.
-
-  Chunks are consecutive rows of one micro-batch (similar lengths, `micro_batches`) at
-  its width, so they add no compiled widths and no padding.
-  """
-  if tokens is None:
-    return m
-  split = devices if m % devices == 0 else 1
-  options = [c for c in range(split, m + 1, split) if m % c == 0]
-  return max((c for c in options if c * width <= tokens * split), default=options[0])
 
 
 def micro_batches(mb: dict[str, np.ndarray], m: int) -> list[dict[str, np.ndarray]]:
