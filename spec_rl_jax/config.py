@@ -153,7 +153,7 @@ class RolloutConfig:
   prompts_per_step: int = 16  # B
   group_size: int = 8  # G
   max_prompt_len: int = 16
-  max_new_tokens: int = 40
+  max_new_tokens: int = 176
   on_long_prompt: str = "skip"  # "skip" (counted, logged) | "error"
   temperature: float = 1.0
   top_k: int = 0
@@ -208,7 +208,7 @@ class LearnerConfig:
 class DataConfig:
   """Prompts (`spec_rl_jax.data.Source` specs) and held-out evaluation."""
 
-  sources: tuple[str, ...] = ("task:countdown",)
+  sources: tuple[str, ...] = data.DEFAULT_SOURCES
   default_reward: str = "math"  # reward of records without a "task" field
   format_weight: float = 0.0  # w in r = correct + w * well_formed (rl/rewards.py)
   seed: int = 0

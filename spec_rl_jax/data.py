@@ -56,7 +56,7 @@ from spec_rl_jax.tasks.base import record_at, unique_records
 Record = dict[str, str]
 GENERATOR_LENGTH = 2**31 - 1  # "infinite": grain map datasets need a length
 PROMPT_TEMPLATE = "{prompt}\n"
-DEFAULT_SOURCES = ("task:arithmetic", "task:countdown")  # the default models' data
+DEFAULT_SOURCES = ("task:multiplication",)  # the default models' data
 
 
 class JsonlError(ValueError):

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +46,7 @@ from spec_rl_jax.models.layout import (chunk_rows, training_compiler_options,
                                        training_forward_tokens)
 from spec_rl_jax.models.transformer import init_decoder, param_count, teacher_forced
 from spec_rl_jax.rl import losses
-from spec_rl_jax.tasks.bpe import default_tokenizer
+from spec_rl_jax.tasks.bpe import default_tokenizer, default_tokenizer_spec
 
 # Shape legend: B batch, T time, V vocab.
 
@@ -60,8 +61,8 @@ class SFTConfig:
   data: tuple[str, ...] = data.DEFAULT_SOURCES  # `data.Source` specs
   steps: int = 400
   batch_size: int = 32
-  max_len: int = 64  # next-token positions per example, at most
-  pad_multiple: int = 16  # batches are padded to a multiple of this (few shapes)
+  max_len: int = 176  # next-token positions per example, at most
+  pad_multiple: int = 32  # batches are padded to a multiple of this (few shapes)
   lr: float = 3e-3
   warmup_steps: int = 25
   end_lr_ratio: float = 0.05  # cosine decays to lr * end_lr_ratio
@@ -104,7 +105,7 @@ _DRAFT_LONG = dict(data=("task:counting",), batch_size=4, max_len=2304, pad_mult
                    steps=150, lr=1e-3, warmup_steps=10)
 TARGETS: dict[str, SFTConfig] = {
     "policy": SFTConfig(),
-    "draft": SFTConfig(model="default-draft"),
+    "draft": SFTConfig(model="default-draft", steps=300),
     "long-policy-count": SFTConfig(**_COUNT),
     "long-policy-short": SFTConfig(**_SHORT),
     "long-policy": SFTConfig(**_LONG),
@@ -270,24 +271,54 @@ def _with_stages(targets: Sequence[str], root: str) -> list[str]:
   return order
 
 
+def _read_report(root: str) -> dict:
+  path = os.path.join(root, "report.json")
+  if not os.path.exists(path):
+    return {}
+  with open(path) as f:
+    return json.load(f)
+
+
+def _recipe(cfg: SFTConfig) -> dict:
+  """``cfg`` as the JSON the report records (tuples as lists)."""
+  return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def stale_targets(targets: Sequence[str]) -> list[str]:
+  """The cached ``targets`` built by another recipe than today's `TARGETS` (or from
+  another default tokenizer): a cache from an older release holds models of other
+  tasks, which the default run must not pick up silently."""
+  root = checkpoint.cache_dir()
+  report = _read_report(root)
+  models = report.get("models", {})
+  old_tokenizer = report.get("tokenizer_spec") != default_tokenizer_spec()
+  return [t for t in targets if os.path.exists(os.path.join(root, t))
+          and (old_tokenizer or models.get(t, {}).get("recipe") != _recipe(TARGETS[t]))]
+
+
 def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = True,
-            eval_n: int = 100) -> dict:
+            eval_n: int = 100, rebuild: Sequence[str] = ()) -> dict:
   """Trains ``targets`` into the cache, exports HF checkpoints, evaluates ``eval_n``
-  held-out problems per task (0: skip); returns the report."""
+  held-out problems per task (0: skip); returns the report. ``rebuild`` (`stale_targets`)
+  are trained from scratch (their old runs deleted), with a fresh default tokenizer
+  when the cached one is not today's."""
   root = checkpoint.cache_dir()
   tok_dir = os.path.join(root, "tokenizer")
   t0 = time.perf_counter()
-  if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+  old = _read_report(root)
+  fresh_tokenizer = bool(rebuild) and old.get("tokenizer_spec") != default_tokenizer_spec()
+  for name in rebuild:
+    shutil.rmtree(os.path.join(root, "runs", name), ignore_errors=True)
+  if os.path.exists(os.path.join(tok_dir, "tokenizer.json")) and not fresh_tokenizer:
     tokenizer = Tokenizer.load(tok_dir)
+    spec = old.get("tokenizer_spec")
   else:
     tokenizer = default_tokenizer()
     tokenizer.save(tok_dir)
-  path = os.path.join(root, "report.json")
-  models = {}
-  if os.path.exists(path):  # other targets' entries stay
-    with open(path) as f:
-      models = json.load(f).get("models", {})
-  report = {"cache": root, "tokenizer_vocab": tokenizer.vocab_size, "models": models}
+    spec = default_tokenizer_spec()
+  models = {} if fresh_tokenizer else old.get("models", {})  # other targets' entries stay
+  report = {"cache": root, "tokenizer_vocab": tokenizer.vocab_size, "tokenizer_spec": spec,
+            "models": models}
   for name in _with_stages(targets, root):
     cfg = dataclasses.replace(TARGETS[name], **(overrides if name in targets else {}))
     model, metrics, info = train(cfg, os.path.join(root, "runs", name), tokenizer,
@@ -299,10 +330,10 @@ def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = 
                 if eval_n else {})
     report["models"][name] = {
         **info, "preset": cfg.model, "data": [s.describe() for s in sources],
-        "final_train_metrics": metrics, "accuracy": accuracy,
+        "recipe": _recipe(cfg), "final_train_metrics": metrics, "accuracy": accuracy,
         "eval_s": time.perf_counter() - t_eval}
   report["wall_s"] = time.perf_counter() - t0
-  with open(path, "w") as f:
+  with open(os.path.join(root, "report.json"), "w") as f:
     json.dump(report, f, indent=2)
   return report
 
@@ -334,7 +365,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     overrides["model_overrides"] = tuple((k, json.loads(v)) for k, _, v in pairs)
   use_persistent_cache()
   targets = list(DEFAULT_TARGETS) if args.target == "all" else [args.target]
-  report = produce(targets, overrides, progress=not args.no_progress, eval_n=args.eval_n)
+  # Without overrides a default target from an older recipe is rebuilt; with them, a
+  # cached run of another config stops with an error (`train`) instead of being deleted.
+  rebuild = [] if overrides else stale_targets(targets)
+  report = produce(targets, overrides, progress=not args.no_progress, eval_n=args.eval_n,
+                   rebuild=rebuild)
   print(format_report(report))
 
 

@@ -3,8 +3,9 @@
 ``python -m spec_rl_jax.train [--config configs/x.yaml] [--resume] [section.field=value ...]``
 
 With no arguments it trains the default policy (``python -m spec_rl_jax.sft`` puts it
-in the cache) on the built-in countdown task with speculative rollouts drafted by the
-default draft model, on CPU, and reports held-out accuracy before and after.
+in the cache) on the built-in multiplication task (worked solutions) with speculative
+rollouts drafted by the default draft model, on CPU, and reports held-out accuracy
+before, during and after.
 
 A step t (sync, staleness 0):
 
@@ -80,10 +81,13 @@ def ensure_default_models(cfg: TrainConfig) -> None:
   if cfg.drafter.k_max and cfg.drafter.proposer == "draft_model":
     wanted.append(cfg.drafter.draft_model.path)
   missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
-  if missing:
-    print(f"default models {missing} not in {checkpoint.cache_dir()}: training them first"
-          " (python -m spec_rl_jax.sft, a few minutes on CPU)", flush=True)
-    sft.produce([t for t in sft.TARGETS if t in missing], {})
+  stale = sft.stale_targets([p for p in wanted if p in sft.TARGETS and p not in missing])
+  if missing or stale:
+    print(f"default models {missing + stale} not in {checkpoint.cache_dir()}"
+          + (f" ({stale} are from an older recipe)" if stale else "")
+          + ": training them first (python -m spec_rl_jax.sft, about 10 minutes on CPU)",
+          flush=True)
+    sft.produce([t for t in sft.TARGETS if t in missing + stale], {}, rebuild=stale)
 
 
 def engine_config(cfg: TrainConfig, eos_ids: Sequence[int]) -> EngineConfig:

@@ -22,7 +22,8 @@ def tok():
 def test_round_trips_every_task_string(tok, name):
   for difficulty in ({}, {"arithmetic": {"max_digits": 12, "terms": 5},
                           "countdown": {"num_numbers": 6, "max_number": 999},
-                          "counting": {"max_start": 99_999, "min_span": 2, "max_span": 30}
+                          "counting": {"max_start": 99_999, "min_span": 2, "max_span": 30},
+                          "multiplication": {"max_digits": 6, "max_multiplier_digits": 4},
                           }[name]):
     for r in unique_records(get_task(name, **difficulty), "train", 7, 300):
       for text in (r["prompt"], r["answer"], SFTEncoder(tok).template.format(**r)):

@@ -1,19 +1,24 @@
 """The no-argument run trains the missing default models into the cache first."""
 
+import json
 import os
 
 from spec_rl_jax import sft, train
 from spec_rl_jax.config import TrainConfig
+from spec_rl_jax.tasks.bpe import default_tokenizer_spec
 
 
 def test_missing_defaults_are_produced_once(tmp_path, monkeypatch):
   monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path))
   calls = []
 
-  def fake_produce(targets, overrides):
+  def fake_produce(targets, overrides, rebuild=()):
+    """What `sft.produce` leaves: the exports, and their recipes in the report."""
     calls.append(list(targets))
-    for t in targets:
-      os.makedirs(tmp_path / t)
+    done = {t: sft._recipe(sft.TARGETS[t]) for t in ("policy", "draft")
+            if os.path.exists(tmp_path / t)}
+    _cache(tmp_path, {**done, **{t: sft._recipe(sft.TARGETS[t]) for t in targets}},
+           default_tokenizer_spec())
 
   monkeypatch.setattr(sft, "produce", fake_produce)
   cfg = TrainConfig()
@@ -24,3 +29,33 @@ def test_missing_defaults_are_produced_once(tmp_path, monkeypatch):
   os.rmdir(tmp_path / "draft")
   train.ensure_default_models(cfg)
   assert calls[-1] == ["draft"]
+
+
+def _cache(tmp_path, recipes, spec):
+  for t in recipes:
+    os.makedirs(tmp_path / t, exist_ok=True)
+  report = {"tokenizer_spec": spec,
+            "models": {t: {"recipe": r} for t, r in recipes.items() if r is not None}}
+  (tmp_path / "report.json").write_text(json.dumps(report))
+
+
+def test_defaults_from_an_older_recipe_are_rebuilt(tmp_path, monkeypatch):
+  """A cache from an older release (other task, other tokenizer) is not used silently."""
+  monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path))
+  today = {t: sft._recipe(sft.TARGETS[t]) for t in ("policy", "draft")}
+  spec = default_tokenizer_spec()
+  _cache(tmp_path, today, spec)
+  assert sft.stale_targets(["policy", "draft"]) == []
+  _cache(tmp_path, {**today, "draft": {**today["draft"], "data": ["task:countdown"]}}, spec)
+  assert sft.stale_targets(["policy", "draft"]) == ["draft"]
+  _cache(tmp_path, {**today, "policy": None}, spec)  # built before recipes were recorded
+  assert sft.stale_targets(["policy", "draft"]) == ["policy"]
+  _cache(tmp_path, today, "another corpus")
+  assert sft.stale_targets(["policy", "draft"]) == ["policy", "draft"]
+
+  calls = []
+  monkeypatch.setattr(sft, "produce", lambda targets, overrides, rebuild=(): calls.append(
+      (list(targets), list(rebuild))))
+  _cache(tmp_path, {**today, "draft": {**today["draft"], "steps": 1}}, spec)
+  train.ensure_default_models(TrainConfig())
+  assert calls == [(["draft"], ["draft"])]

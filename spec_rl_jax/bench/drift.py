@@ -10,7 +10,7 @@ noise hits all alike):
   online-uniform  the drafter distilled from the policy every step (token mean);
   online-reward   likewise, weighted towards high-reward responses (ReSpec).
 
-The setting is the drift one (`DRIFT`): the default recipe on the arithmetic task at a
+The setting is the drift one (`DRIFT`): the default recipe (multiplication) at a
 learning rate high enough for the policy to move within the run, and a fixed draft
 length so ``τ`` measures the drafter alone (an adaptive ``k`` would shorten rounds as
 acceptance falls). Reported per arm: ``τ`` per step (mean over seeds; PNG), ``τ`` at the
@@ -46,7 +46,7 @@ ARMS = {  # name: (draft length, drafter.train.every, weighting)
     "online-uniform": (None, 1, "uniform"),
     "online-reward": (None, 1, "reward"),
 }
-DRIFT = ("data.sources=[task:arithmetic]", "learner.lr=3e-4", "drafter.num_draft_tokens=4",
+DRIFT = ("data.sources=[task:multiplication]", "learner.lr=3e-4", "drafter.num_draft_tokens=4",
          "rollout.prompts_per_step=8", "data.eval_n=0", "checkpoint.every=1000")
 
 

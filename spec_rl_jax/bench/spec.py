@@ -84,8 +84,8 @@ def _load(path: str):
 
 def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
   from spec_rl_jax import data
-  recs = data.mixed_records([data.Source.parse(s) for s in ("task:arithmetic", "task:countdown")],
-                            "test", seed)
+  recs = data.mixed_records([data.Source.parse(s) for s in data.DEFAULT_SOURCES], "test",
+                            seed)
   encode = data.SFTEncoder(tokenizer)  # the prompt template the models were trained on
   return [encode.prompt_ids(recs[i]) for i in range(n)]
 

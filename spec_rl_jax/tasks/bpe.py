@@ -50,8 +50,16 @@ def task_corpus(tasks: Sequence[Task], n_per_task: int = 2000, seed: int = 0) ->
           for r in unique_records(t, "train", seed, n_per_task)]
 
 
+DEFAULT_CORPUS = (get_task("arithmetic", max_digits=8, terms=3),
+                  get_task("countdown", num_numbers=5, max_number=100, max_target=1000),
+                  get_task("multiplication", max_digits=4, max_multiplier_digits=3))
+
+
+def default_tokenizer_spec(vocab_size: int = DEFAULT_VOCAB_SIZE) -> str:
+  """What `default_tokenizer` is trained from; a cache built from another is stale."""
+  return repr((DEFAULT_CORPUS, vocab_size))
+
+
 def default_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
   """The tokenizer of the default models (deterministic: fixed corpus, fixed seed)."""
-  tasks = [get_task("arithmetic", max_digits=8, terms=3),
-           get_task("countdown", num_numbers=5, max_number=100, max_target=1000)]
-  return train_tokenizer(task_corpus(tasks), vocab_size)
+  return train_tokenizer(task_corpus(DEFAULT_CORPUS), vocab_size)
