@@ -42,10 +42,10 @@ def greedy_ar(spec_target):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """Tests on a mesh (a "mesh" in their id, or in `test_sharding.py`) keep their
-  programs out of the session cache: a full run once aborted inside the cache's
-  `serialize()` of a sharded program (see docs/benchmarks.md)."""
-  if "mesh" not in item.nodeid and item.path.name != "test_sharding.py":
+  """Tests marked ``mesh`` keep their programs out of the session cache: a full run
+  once aborted inside the cache's `serialize()` of a sharded program (see
+  docs/benchmarks.md)."""
+  if item.get_closest_marker("mesh") is None:
     yield
     return
   before = jax.config.jax_persistent_cache_min_compile_time_secs

@@ -117,6 +117,7 @@ def test_update_reports_the_positions_it_computes():
   assert metrics["positions_computed_frac"] == want / (N * (PROMPT + RESPONSE)) < 1
 
 
+@pytest.mark.mesh
 @pytest.mark.parametrize("mesh_shape", [(1, 2, 4),
                                         pytest.param((2, 2, 2), marks=pytest.mark.slow)],
                          ids=str)

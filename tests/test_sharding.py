@@ -13,6 +13,8 @@ from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
 
 CFG = get_preset("tiny-llama", num_heads=8, num_kv_heads=4, head_dim=8, vocab_size=96)
+pytestmark = pytest.mark.mesh  # every test here compiles sharded programs
+
 MESHES = [(1, 8, 1), (2, 2, 2), (1, 2, 4)]
 
 

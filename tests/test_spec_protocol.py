@@ -328,6 +328,7 @@ MESHES = [pytest.param((1, 2, 2), id="1x2x2"),
           pytest.param((1, 1, 2), id="1x1x2", marks=pytest.mark.slow)]
 
 
+@pytest.mark.mesh
 @pytest.mark.parametrize("mesh_shape", MESHES)
 @pytest.mark.parametrize("name", ["draft_model", pytest.param("ngram", marks=pytest.mark.slow),
                                   pytest.param("self_sparse", marks=pytest.mark.slow)])
@@ -353,6 +354,7 @@ def test_drafters_on_the_mesh(mesh_policy, single_device_runs, mesh_shape, name)
         np.testing.assert_allclose(x.policy_logprobs, y.policy_logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.mesh
 def test_a_drafter_on_another_mesh_is_rejected(policy):
   mesh = sharding.make_mesh((1, 1, 2))
   other = sharding.make_mesh((1, 1, 2), devices=jax.devices()[4:6])

@@ -68,6 +68,7 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
     assert all(json.loads(line)["step"] in (1, 2) for line in f)
 
 
+@pytest.mark.mesh
 def test_draft_model_on_a_mesh_through_the_trainer(models, tmp_path, monkeypatch):
   """A draft model with the policy on a (1, 1, 2) mesh: its weights and KV pools are
   placed on the policy's mesh (this crashed at the first prefill before), and it is
