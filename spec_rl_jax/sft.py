@@ -283,7 +283,9 @@ def _read_report(root: str) -> dict:
 
 
 def _recipe(cfg: SFTConfig) -> dict:
-  """``cfg`` as the JSON the report records (tuples as lists)."""
+  """``cfg`` as the JSON the report records (tuples as lists): ``recipe``, the target's
+  recipe in the release that built it (what `stale_targets` compares; a model built
+  with overrides is a user's choice, not stale), and ``config``, what it ran."""
   return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
@@ -333,7 +335,8 @@ def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = 
                 if eval_n else {})
     report["models"][name] = {
         **info, "preset": cfg.model, "data": [s.describe() for s in sources],
-        "recipe": _recipe(cfg), "final_train_metrics": metrics, "accuracy": accuracy,
+        "recipe": _recipe(TARGETS[name]), "config": _recipe(cfg),
+        "final_train_metrics": metrics, "accuracy": accuracy,
         "eval_s": time.perf_counter() - t_eval}
   report["wall_s"] = time.perf_counter() - t0
   with open(os.path.join(root, "report.json"), "w") as f:

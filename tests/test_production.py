@@ -28,6 +28,8 @@ def test_one_command_produces_policy_and_draft(tmp_path, monkeypatch, capsys):
   for m in report["models"].values():
     assert set(m["accuracy"]) == {"multiplication"} and m["params"] > 0
     assert m["resumed_from"] == 0
+  # Built with overrides by this release: the user's choice, not an older recipe.
+  assert sft.stale_targets(["policy", "draft"]) == []
   # Rerunning resumes every target at its last step: nothing is trained again.
   sft.main(TINY_ARGS + ["--eval_n", "0"])
   report = json.loads((tmp_path / "report.json").read_text())
