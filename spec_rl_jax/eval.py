@@ -93,7 +93,7 @@ def _max_new_tokens(tokenizer: Tokenizer, records) -> int:
 
 def score(tokenizer: Tokenizer, records, responses) -> list[float]:
   texts = [tokenizer.decode(r) for r in responses]
-  return list(rewards.score_batch(records, texts).correct)
+  return [rewards.reward_for(r, t) for r, t in zip(records, texts, strict=True)]
 
 
 def evaluate_source(engine: RolloutEngine, tokenizer: Tokenizer, source: data.Source, n: int,

@@ -42,9 +42,8 @@ def greedy_ar(spec_target):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-  """Tests marked ``mesh`` keep their programs out of the session cache: a full run
-  once aborted inside the cache's `serialize()` of a sharded program (see
-  docs/benchmarks.md)."""
+  """Tests marked ``mesh`` keep their programs out of the session cache: the cache's
+  `serialize()` of a sharded program can abort the process (docs/benchmarks.md)."""
   if item.get_closest_marker("mesh") is None:
     yield
     return

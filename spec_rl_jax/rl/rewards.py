@@ -48,11 +48,9 @@ def reward_for(record: Mapping[str, str], response: str, default: str = "math") 
 def well_formed(record: Mapping[str, str], response: str) -> bool:
   """The record's task grammar (`well_formed` of the task) where it has one, else
   whether the response ends in a non-empty final answer."""
-  task = TASKS.get(record.get("task", ""))
-  check = getattr(task, "well_formed", None) if task else None
-  if check is not None:
-    return check(get_task(record["task"]), response)
-  return bool(final_answer(response))
+  name = record.get("task")
+  check = getattr(get_task(name), "well_formed", None) if name in TASKS else None
+  return check(response) if check is not None else bool(final_answer(response))
 
 
 @dataclasses.dataclass(frozen=True)
