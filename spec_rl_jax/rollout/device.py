@@ -181,7 +181,8 @@ class DevicePrograms:
     proposer_state = state.proposer
     if self.proposer is not None:
       proposer_state = self.proposer.prefill(
-          draft_weights, proposer_state, PrefillBatch(slots, tokens, positions, pages, hidden))
+          draft_weights, proposer_state, PrefillBatch(slots, tokens, positions, pages, hidden,
+                                                        weights))
     return logits, cache, proposer_state
 
   def _prefill_insert(self, weights, draft_weights, state: SlotState, key, slots, tokens,
@@ -314,7 +315,8 @@ class DevicePrograms:
     if k:
       proposer_state = self.proposer.observe(
           draft_weights, proposer_state,
-          Feedback(inputs, positions, v.tokens, n, out.hidden, st.cache.page_table))
+          Feedback(inputs, positions, v.tokens, n, out.hidden, st.cache.page_table,
+                   weights))
     keep = i < n[:, None]
     rows = jnp.arange(S)[:, None]
     col = jnp.where(keep, st.num_gen[:, None] + i, N)  # N: dropped

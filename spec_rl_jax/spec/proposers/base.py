@@ -76,6 +76,7 @@ class Feedback(NamedTuple):
   num_emitted: jax.Array  # [S] int32 (0: inactive slot)
   hidden: jax.Array | None  # [h, S, k+1, D] or None (no hidden layers declared)
   page_table: jax.Array  # [S, M] int32
+  target_weights: Any  # the policy's weights (heads read its embedding and LM head)
 
 
 class PrefillBatch(NamedTuple):
@@ -86,6 +87,7 @@ class PrefillBatch(NamedTuple):
   positions: jax.Array  # [n, T] int32 (pads negative, right-aligned as in paged_cache.py)
   pages: jax.Array  # [n, M] int32
   hidden: jax.Array | None  # [h, n, T, D] or None
+  target_weights: Any  # the policy's weights
 
 
 @struct.dataclass
