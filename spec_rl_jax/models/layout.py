@@ -77,6 +77,8 @@ class CpuLayerCopies(StackedLayout):
   compiler_options = _CPU_INFERENCE_OPTIONS
 
   def weights(self, model: Decoder, rows: int, mesh: Mesh | None = None) -> Weights:
+    if not isinstance(model, Decoder):  # draft heads: one layer (or a few), not scanned
+      return super().weights(model, rows, mesh)
     state = _copy_state(model, mesh)
     _, stacked = nnx.split(nnx.merge(nnx.graphdef(model), state).layers)
     input_major = rows >= INPUT_MAJOR_MIN_ROWS
