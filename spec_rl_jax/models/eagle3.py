@@ -251,3 +251,51 @@ def embed(policy_weights: Any, graphdef: nnx.GraphDef, tokens: jax.Array) -> jax
   `transformer.Weights`)."""
   table = nnx.merge(graphdef, policy_weights.state).embed[...]
   return jnp.take(table, tokens, axis=0)
+
+
+def _shift(x: jax.Array, n: int = 1) -> jax.Array:
+  """``x[:, j - n]`` at ``j`` along axis 1 (zeros for ``j < n``)."""
+  return jnp.pad(x, ((0, 0), (n, 0)) + ((0, 0),) * (x.ndim - 2))[:, :x.shape[1]]
+
+
+def training_time_test(head: Eagle3Head, e: jax.Array, hidden: jax.Array, valid: jax.Array,
+                       steps: int) -> jax.Array:
+  """Eagle3's training-time test: the draft-vocabulary logits ``[steps, B, T, Vd]`` that
+  drafting computes, for every chain start at once (teacher forcing, no cache).
+
+  ``e [B, T, D]``: the policy's embeddings of the tokens; ``hidden [3, B, T, D]``: the
+  policy's features (outputs of ``cfg.hidden_layers``); ``valid [B, T]``: real tokens
+  (right padding). Row ``s`` at position ``j`` is draft step ``s`` of the round that
+  started at ``p = j - s`` with the tokens ``t_{p..j}``: step 0 reads the policy's feature
+  ``g_{j-1}``, step ``s`` the step ``s - 1`` output ``a^{s-1}_{j-1}``; its query sees the
+  keys of step 0 at positions ``<= p`` and of steps ``r = 1..s`` at ``p + r`` (the cache
+  at drafting time). It predicts ``t_{j+1}`` (meaningful for ``j >= s``).
+  """
+  B, T, D = e.shape
+  Hk, Dh = head.cfg.num_kv_heads, head.cfg.head_dim
+  G = head.cfg.num_heads // Hk
+  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  g = _shift(head.fuse(hidden))
+  idx = jnp.arange(T)
+  mask0 = (idx[None, :, None] >= idx[None, None, :]) & valid[:, None, :]  # [B, Tq, Tk]
+  keys, values, outs = [], [], []
+  for s in range(steps):
+    q, k, v = head.midlayer.qkv(e, g, positions)
+    keys.append(k)
+    values.append(v)
+    qg = q.reshape(B, T, Hk, G, Dh).astype(jnp.float32) * Dh ** -0.5
+    s0 = jnp.einsum("btkgd,bukd->bkgtu", qg, keys[0].astype(jnp.float32))  # [B,Hk,G,T,T]
+    m = (mask0 & (idx[None, None, :] <= idx[None, :, None] - s))[:, None, None]
+    s0 = jnp.where(m, s0, NEG_INF)
+    diag = [jnp.einsum("btkgd,btkd->bkgt", qg, _shift(keys[r], s - r).astype(jnp.float32))
+            for r in range(1, s + 1)]  # the chain's own keys, one per step
+    logits = jnp.concatenate([s0] + [d[..., None] for d in diag], -1)
+    probs = jax.nn.softmax(logits, -1)
+    out = jnp.einsum("bkgtu,bukd->btkgd", probs[..., :T], values[0].astype(jnp.float32))
+    for r in range(1, s + 1):
+      out += probs[..., T + r - 1].transpose(0, 3, 1, 2)[..., None] * _shift(
+          values[r], s - r).astype(jnp.float32)[:, :, :, None]
+    a = head.midlayer.finish(g, out.reshape(B, T, head.cfg.num_heads, Dh))
+    outs.append(head.logits(a))
+    g = _shift(a)
+  return jnp.stack(outs)
