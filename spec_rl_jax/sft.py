@@ -36,7 +36,7 @@ from flax import nnx
 from tensorboardX import SummaryWriter
 from tqdm import tqdm
 
-from spec_rl_jax import checkpoint, data
+from spec_rl_jax import checkpoint, data, head_sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import use_persistent_cache
 from spec_rl_jax.models import hf_io
@@ -44,7 +44,7 @@ from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.tokenizer import Tokenizer, check_vocab
 from spec_rl_jax.models.layout import (chunk_rows, training_compiler_options,
                                        training_forward_tokens)
-from spec_rl_jax.models.transformer import init_decoder, param_count, teacher_forced
+from spec_rl_jax.models.transformer import init_decoder, teacher_forced
 from spec_rl_jax.rl import losses
 from spec_rl_jax.tasks.bpe import default_tokenizer, default_tokenizer_spec
 
@@ -54,7 +54,8 @@ from spec_rl_jax.tasks.bpe import default_tokenizer, default_tokenizer_spec
 class SFTConfig:
   """One SFT run. ``teacher``, ``init``: checkpoint paths, relative ones under the cache;
   ``init`` (a target name or checkpoint of the same preset) gives the starting weights
-  (a curriculum stage; a missing target named there is trained first by `produce`)."""
+  (a curriculum stage; a missing target named there is trained first by `produce`, as
+  is a head's ``teacher``)."""
 
   model: str = "default-policy"  # a `ModelConfig` preset
   model_overrides: tuple[tuple[str, Any], ...] = ()  # preset fields replaced
@@ -72,6 +73,10 @@ class SFTConfig:
   teacher: str | None = None
   init: str | None = None
   distill_weight: float = 0.0  # α; 0 = plain SFT
+  # "eagle3" | "mtp": train draft heads of the policy at ``teacher`` (frozen) instead of a
+  # decoder (head_sft.py); ``head_options``: the kind's options, e.g. ttt_steps.
+  head: str = ""
+  head_options: tuple[tuple[str, Any], ...] = ()
   log_every: int = 10
   ckpt_every: int = 100
 
@@ -109,6 +114,8 @@ _DRAFT_LONG = dict(data=("task:counting",), batch_size=4, max_len=2304, pad_mult
 TARGETS: dict[str, SFTConfig] = {
     "policy": SFTConfig(steps=600),
     "draft": SFTConfig(model="default-draft", steps=300),
+    "eagle3": SFTConfig(head="eagle3", teacher="policy", steps=300,
+                        head_options=(("feature_layers", (1, 3, 5)), ("ttt_steps", 3))),
     "long-policy-count": SFTConfig(**_COUNT),
     "long-policy-short": SFTConfig(**_SHORT),
     "long-policy": SFTConfig(**_LONG),
@@ -206,22 +213,44 @@ def _initial_model(cfg: SFTConfig, model_cfg, tokenizer: Tokenizer):
   return model
 
 
+def _decoder_trainee(cfg: SFTConfig, tokenizer: Tokenizer,
+                     tx: optax.GradientTransformation) -> head_sft.Trainee:
+  model_cfg = get_preset(cfg.model, **dict(cfg.model_overrides))
+  check_vocab(tokenizer, model_cfg.vocab_size)
+  graphdef, params = nnx.split(_initial_model(cfg, model_cfg, tokenizer))
+  teacher_graphdef, teacher_params = _teacher(cfg, tokenizer)
+  rows = chunk_rows(cfg.batch_size, cfg.max_len, training_forward_tokens(), 1)
+  step_fn = jax.jit(functools.partial(train_step, graphdef, teacher_graphdef=teacher_graphdef,
+                                      tx=tx, distill_weight=cfg.distill_weight, rows=rows),
+                    donate_argnums=0, compiler_options=training_compiler_options())
+  return head_sft.Trainee(
+      params=nnx.to_pure_dict(params),
+      step=lambda state, batch: step_fn(state, batch, teacher_params),
+      merge=lambda p: nnx.merge(graphdef, p), config_json=checkpoint.config_to_json(model_cfg))
+
+
+def _head_trainee(cfg: SFTConfig, tokenizer: Tokenizer,
+                  tx: optax.GradientTransformation) -> head_sft.Trainee:
+  if cfg.teacher is None:
+    raise ValueError(f"a {cfg.head} head trains against a policy: set teacher")
+  options = head_sft.parse_options(cfg.head, cfg.head_options)
+  policy = head_sft.load_policy(cfg.teacher, tokenizer)
+  return head_sft.trainee(cfg.head, options, policy, tokenizer, cfg.seed, tx)
+
+
 def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
           progress: bool = True) -> tuple[Any, dict, dict]:
   """Runs (or resumes) ``cfg`` in ``run_dir``; returns ``(model, metrics, info)``."""
-  model_cfg = get_preset(cfg.model, **dict(cfg.model_overrides))
-  check_vocab(tokenizer, model_cfg.vocab_size)
   tokenizer.save(os.path.join(run_dir, checkpoint.TOKENIZER_DIR))
-  model = _initial_model(cfg, model_cfg, tokenizer)
-  graphdef, params = nnx.split(model)
   tx = make_optimizer(cfg)
+  trainee = (_head_trainee if cfg.head else _decoder_trainee)(cfg, tokenizer, tx)
   # One device, plainly placed: the step's outputs then match its inputs (one compile).
-  state = {"params": nnx.to_pure_dict(params), "step": jnp.int32(0)}
+  state = {"params": trainee.params, "step": jnp.int32(0)}
   state = jax.device_put({**state, "opt": tx.init(state["params"])}, jax.devices()[0])
   sources = [data.Source.parse(s) for s in cfg.data]
   batches = iter(data.sft_batches(sources, tokenizer, cfg.batch_size, cfg.max_len,
                                   seed=cfg.seed, pad_multiple=cfg.pad_multiple))
-  meta = {"sft": dataclasses.asdict(cfg), "model": checkpoint.config_to_json(model_cfg)}
+  meta = {"sft": dataclasses.asdict(cfg), "model": trainee.config_json}
   ckpt = checkpoint.TrainCheckpointer(run_dir)
   if ckpt.latest_step() is not None:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -229,34 +258,30 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
     if saved != json.loads(json.dumps(meta)):
       raise ValueError(f"{run_dir} holds a run with a different config; delete it or"
                        " use another run directory")
-  teacher_graphdef, teacher_params = _teacher(cfg, tokenizer)
-  rows = chunk_rows(cfg.batch_size, cfg.max_len, training_forward_tokens(), 1)
-  step_fn = jax.jit(functools.partial(train_step, graphdef, teacher_graphdef=teacher_graphdef,
-                                      tx=tx, distill_weight=cfg.distill_weight, rows=rows),
-                    donate_argnums=0, compiler_options=training_compiler_options())
   writer = SummaryWriter(os.path.join(run_dir, "tb"))
   start = int(state["step"])
   metrics, tokens, t0 = {}, 0, time.perf_counter()
-  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.model,
+  bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=cfg.head or cfg.model,
              disable=not progress)
   for step in bar:
     batch = next(batches)
     tokens += int(batch["valid"].sum())
-    state, metrics = step_fn(state, batch, teacher_params)
+    state, metrics = trainee.step(state, batch)
     done = step + 1
     if done % cfg.log_every == 0 or done == cfg.steps:
       metrics = {k: float(v) for k, v in metrics.items()}
       metrics["tokens_per_s"] = tokens / (time.perf_counter() - t0)
       for k, v in metrics.items():
         writer.add_scalar(f"train/{k}", v, done)
-      bar.set_postfix(loss=f"{metrics['loss']:.3f}", acc=f"{metrics['token_acc']:.3f}")
+      bar.set_postfix(loss=f"{metrics['loss']:.3f}")
     if done % cfg.ckpt_every == 0 or done == cfg.steps:
       ckpt.save(done, state, batches, meta)
   ckpt.wait()
   ckpt.close()
   writer.close()
-  model = nnx.merge(graphdef, state["params"])
-  info = {"steps": cfg.steps, "resumed_from": start, "params": param_count(model),
+  model = trainee.merge(state["params"])
+  info = {"steps": cfg.steps, "resumed_from": start,
+          "params": sum(int(x.size) for x in jax.tree.leaves(state["params"])),
           "train_s": time.perf_counter() - t0}
   return model, {k: float(v) for k, v in metrics.items()}, info
 
@@ -266,10 +291,12 @@ def _with_stages(targets: Sequence[str], root: str) -> list[str]:
   in the cache yet."""
   order = []
   for name in targets:
-    stages, init = [], TARGETS[name].init
-    while init in TARGETS and not os.path.exists(os.path.join(root, init, "config.json")):
-      stages.insert(0, init)
-      init = TARGETS[init].init
+    stages, cfg = [], TARGETS[name]
+    needs = [cfg.init] + ([cfg.teacher] if cfg.head else [])  # a head needs its policy
+    for init in needs:
+      while init in TARGETS and not os.path.exists(os.path.join(root, init, "config.json")):
+        stages.insert(0, init)
+        init = TARGETS[init].init
     order += [s for s in stages + [name] if s not in order]
   return order
 
@@ -328,11 +355,18 @@ def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = 
     cfg = dataclasses.replace(TARGETS[name], **(overrides if name in targets else {}))
     model, metrics, info = train(cfg, os.path.join(root, "runs", name), tokenizer,
                                  progress)
-    hf_io.save_hf_checkpoint(model, os.path.join(root, name), tokenizer)
     t_eval = time.perf_counter()
     sources = [data.Source.parse(s) for s in cfg.data]
-    accuracy = (evaluation.evaluate_model(model, tokenizer, sources, n=eval_n, k=4)
-                if eval_n else {})
+    if cfg.head:
+      head_sft.head_kind(cfg.head).save(model, os.path.join(root, name))
+      accuracy = ({"+".join(cfg.data): head_sft.acceptance(
+          model, cfg.head, head_sft.parse_options(cfg.head, cfg.head_options),
+          head_sft.load_policy(cfg.teacher, tokenizer), tokenizer, sources, eval_n,
+          cfg.max_len)} if eval_n else {})
+    else:
+      hf_io.save_hf_checkpoint(model, os.path.join(root, name), tokenizer)
+      accuracy = (evaluation.evaluate_model(model, tokenizer, sources, n=eval_n, k=4)
+                  if eval_n else {})
     report["models"][name] = {
         **info, "preset": cfg.model, "data": [s.describe() for s in sources],
         "recipe": _recipe(TARGETS[name]), "config": _recipe(cfg),

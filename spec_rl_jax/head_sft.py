@@ -1,0 +1,224 @@
+"""Training draft heads (Eagle3, MTP) against a frozen policy: the head kinds `sft.py`
+trains when a target sets ``head``.
+
+Every step runs the policy teacher-forced on an SFT batch (its logits are the teacher,
+its hidden states the heads' input; no gradient reaches it) and distils the head's
+drafts into the policy's next-token distributions over the response tokens:
+
+  eagle3  Eagle3's training-time test (`eagle3.training_time_test`) over ``ttt_steps``
+          draft steps: step ``s`` at position ``j`` is the ``s``-th draft of a round
+          that started at ``j - s``, fed the head's own outputs as drafting does, and is
+          weighted ``0.8^s`` (later steps matter only once the earlier ones are
+          accepted, as in EAGLE-3's training).  Loss: ``Σ_s 0.8^s KL(p_j || q^s_j)``,
+          the teacher ``p`` renormalised over the draft vocabulary.
+
+The held-out measure is the teacher-forced acceptance probability of each draft step,
+``α_s = E[Σ_v min(p_j(v), q^s_j(v))]``: the chance the verifier accepts draft ``s``
+given the earlier ones were (Leviathan et al., 2023).
+
+Shape legend: ``B`` batch, ``T`` time, ``V`` vocab, ``D`` model dim, ``s`` draft steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from spec_rl_jax import checkpoint, data
+from spec_rl_jax.models import eagle3, eagle3_io
+from spec_rl_jax.models.layout import training_compiler_options
+from spec_rl_jax.models.tokenizer import Tokenizer
+from spec_rl_jax.models.transformer import Decoder, teacher_forced
+from spec_rl_jax.rl import losses
+
+STEP_DECAY = 0.8  # weight of draft step s: STEP_DECAY ** s
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Options:
+  """``feature_layers``: inputs of these policy layers are fused (empty: the serving
+  stacks' default); ``ttt_steps``: draft steps unrolled in training."""
+
+  feature_layers: tuple[int, ...] = ()
+  ttt_steps: int = 3
+
+  def __post_init__(self):
+    if self.ttt_steps < 1:
+      raise ValueError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadKind:
+  """How one kind of head is made, trained, scored and saved."""
+
+  Options: type
+  make: Callable[[Decoder, Any, str, int], nnx.Module]  # (policy, options, fingerprint, seed)
+  step_logits: Callable[..., jax.Array]  # (head, policy_out, e, valid, options) -> [s,B,T,V]
+  save: Callable[[nnx.Module, str], None]
+
+
+def _eagle3_make(policy: Decoder, options: Eagle3Options, fingerprint: str, seed: int):
+  cfg = eagle3.Eagle3Config.for_policy(policy.cfg, options.feature_layers,
+                                       fingerprint=fingerprint)
+  return eagle3.init_head(cfg, seed)
+
+
+def _eagle3_logits(head, policy_out, e, valid, options: Eagle3Options) -> jax.Array:
+  return eagle3.training_time_test(head, e, policy_out.hidden, valid, options.ttt_steps)
+
+
+HEADS: dict[str, HeadKind] = {
+    "eagle3": HeadKind(Eagle3Options, _eagle3_make, _eagle3_logits, eagle3_io.save_eagle3),
+}
+
+
+def head_kind(name: str) -> HeadKind:
+  if name not in HEADS:
+    raise ValueError(f"unknown head {name!r}; known: {sorted(HEADS)}")
+  return HEADS[name]
+
+
+def parse_options(kind: str, options: Sequence[tuple[str, Any]]):
+  """The kind's options dataclass from ``(name, value)`` pairs (unknown names refused)."""
+  cls = head_kind(kind).Options
+  valid = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(dict(options)) - valid)
+  if unknown:
+    raise ValueError(f"unknown {kind} option(s) {unknown}; valid: {sorted(valid)}")
+  return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in options})
+
+
+def _policy_pass(policy_graphdef, policy_params, head, tokens, valid):
+  """The frozen policy's teacher-forced outputs (the head's declared hidden layers) and
+  token embeddings, without gradient."""
+  out = teacher_forced(policy_graphdef, policy_params, tokens, valid, head.cfg.hidden_layers)
+  e = jnp.take(nnx.merge(policy_graphdef, policy_params).embed[...], tokens, axis=0)
+  return jax.lax.stop_gradient((out, e))
+
+
+def _teacher_on_draft_vocab(head, logits: jax.Array) -> jax.Array:
+  """``[B, T, V]`` policy logits at the head's draft-vocabulary ids → ``[B, T, Vd]``."""
+  return logits[..., head.target_ids()]
+
+
+def head_loss(head, policy_out, e, batch, kind: HeadKind, options):
+  """``Σ_s 0.8^s · mean KL(p || q^s)`` over the positions whose next token is a response
+  token (and, for step ``s``, ``j >= s``); metrics: the loss and step-0 agreement."""
+  step_logits = kind.step_logits(head, policy_out, e, batch["valid"], options)  # [s,B,T,Vd]
+  teacher = _teacher_on_draft_vocab(head, policy_out.logits)
+  T = e.shape[1]
+  loss, metrics = 0.0, {}
+  for s in range(step_logits.shape[0]):
+    mask = batch["loss_mask"] * (jnp.arange(T) >= s)[None, :]
+    n = jnp.maximum(mask.sum(), 1.0)
+    kl = (losses.distill_loss("forward_kl", step_logits[s], teacher) * mask).sum() / n
+    loss = loss + STEP_DECAY ** s * kl
+    metrics[f"kl_{s}"] = kl
+  agree = (step_logits[0].argmax(-1) == teacher.argmax(-1)) * batch["loss_mask"]
+  metrics["top1_agreement"] = agree.sum() / jnp.maximum(batch["loss_mask"].sum(), 1.0)
+  return loss, {**metrics, "loss": loss}
+
+
+def train_step(graphdef, rest, state, batch, policy_params, *, policy_graphdef, tx, kind,
+               options):
+  """One optimizer step of the head's parameters (``state = {"params", "opt", "step"}``;
+  ``rest``: its non-trained variables, e.g. Eagle3's ``d2t``)."""
+  frozen = nnx.merge(graphdef, state["params"], rest)
+  policy_out, e = _policy_pass(policy_graphdef, policy_params, frozen, batch["tokens"],
+                               batch["valid"])
+
+  def loss_fn(params):
+    return head_loss(nnx.merge(graphdef, params, rest), policy_out, e, batch, kind, options)
+
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+  updates, opt = tx.update(grads, state["opt"], state["params"])
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+          "step": state["step"] + 1}, metrics
+
+
+@dataclasses.dataclass
+class Trainee:
+  """What `sft.train` needs of a model it trains: its parameters, a jitted step
+  ``(state, batch) -> (state, metrics)``, how to rebuild the module, and its config."""
+
+  params: Any
+  step: Callable[[dict, dict], tuple[dict, dict]]
+  merge: Callable[[Any], nnx.Module]
+  config_json: dict
+
+
+def load_policy(path: str, tokenizer: Tokenizer) -> Decoder:
+  """The frozen policy at ``path`` (under the cache unless absolute); its tokenizer must
+  be the run's."""
+  path = path if os.path.isabs(path) else os.path.join(checkpoint.cache_dir(), path)
+  policy, tok = checkpoint.load_model(path)
+  if tok is not None and tok.backend.to_str() != tokenizer.backend.to_str():
+    raise ValueError(f"policy {path} uses a different tokenizer than the run")
+  return policy
+
+
+def trainee(kind_name: str, options, policy: Decoder, tokenizer: Tokenizer, seed: int,
+            tx: optax.GradientTransformation) -> Trainee:
+  """A fresh head of ``kind_name`` for ``policy`` and its training step."""
+  kind = head_kind(kind_name)
+  fingerprint = eagle3.policy_fingerprint(policy.cfg, tokenizer.backend.get_vocab())
+  head = kind.make(policy, options, fingerprint, seed)
+  graphdef, params, rest = nnx.split(head, nnx.Param, ...)
+  policy_graphdef, policy_state = nnx.split(policy)
+  policy_params = nnx.to_pure_dict(policy_state)
+  step = jax.jit(functools.partial(train_step, graphdef, rest, policy_graphdef=policy_graphdef,
+                                   tx=tx, kind=kind, options=options),
+                 donate_argnums=0, compiler_options=training_compiler_options())
+
+  def merge(trained):
+    state = jax.tree.map(lambda x: x, params)  # a copy to fill
+    nnx.replace_by_pure_dict(state, trained)
+    return nnx.merge(graphdef, state, rest)
+
+  return Trainee(params=nnx.to_pure_dict(params),
+                 step=lambda state, batch: step(state, batch, policy_params), merge=merge,
+                 config_json={"head": kind_name, **dataclasses.asdict(head.cfg)})
+
+
+def acceptance(head, kind_name: str, options, policy: Decoder, tokenizer: Tokenizer,
+               sources: Sequence[data.Source], n: int, max_len: int,
+               batch_size: int = 16) -> dict[str, float]:
+  """Held-out teacher-forced acceptance ``α_s`` of each draft step and the top-1
+  agreement of step 0 (``n`` examples of the held-out split)."""
+  kind = head_kind(kind_name)
+  policy_graphdef, policy_state = nnx.split(policy)
+  policy_params = nnx.to_pure_dict(policy_state)
+
+  @jax.jit
+  def score(batch):
+    out, e = _policy_pass(policy_graphdef, policy_params, head, batch["tokens"],
+                          batch["valid"])
+    q = kind.step_logits(head, out, e, batch["valid"], options)
+    p = _teacher_on_draft_vocab(head, out.logits)
+    alpha = jax.vmap(lambda qs: losses.acceptance_prob(qs, p))(q)  # [s, B, T]
+    return alpha, q[0].argmax(-1) == p.argmax(-1)
+
+  batches = data.sft_batches(sources, tokenizer, batch_size, max_len, split="test")
+  alphas, agree, seen = [], [], 0
+  for batch in batches:
+    alpha, top1 = jax.device_get(score({k: batch[k] for k in ("tokens", "valid")}))
+    mask = batch["loss_mask"].astype(bool)
+    alphas.append([a[mask & (np.arange(mask.shape[1]) >= s)] for s, a in enumerate(alpha)])
+    agree.append(top1[mask])
+    seen += len(batch["tokens"])
+    if seen >= n:
+      break
+  out = {f"alpha_{s}": float(np.concatenate([a[s] for a in alphas]).mean())
+         for s in range(len(alphas[0]))}
+  out["top1_agreement"] = float(np.concatenate(agree).mean())
+  return out
