@@ -18,6 +18,10 @@ def test_round_costs_split_a_round_into_verification_and_drafting():
   assert out["ceiling"][3] == pytest.approx(2.0)  # 3 tokens for 1.5 AR steps
   assert (out["round"][1], out["draft"][1]) == pytest.approx((2.0, 0.75))
   assert out["ceiling"][1] == pytest.approx(1.75 / 1.25)
+  assert out["step"][3] == pytest.approx(2.0 / 3)  # one draft forward: 2/3 of an AR step
+  # Any model drafter by name, against the same verification cost.
+  eagle = round_costs({**round_s, "eagle3_k3": 4e-3}, {"eagle3_k3": 2.5}, [3], "eagle3")
+  assert (eagle["draft"][3], eagle["step"][3]) == pytest.approx((0.5, 0.5 / 3))
 
 
 def test_round_costs_need_the_free_drafter_at_every_k():

@@ -1,7 +1,8 @@
 """Speculative vs autoregressive rollouts: ``python -m spec_rl_jax.bench.spec``.
 
 Workload: the default policy and draft model (``python -m spec_rl_jax.sft`` puts them in
-the cache; ``--policy/--draft`` point elsewhere), prompts from the held-out split of the
+the cache; ``--policy/--draft`` point elsewhere) and the policy's Eagle3 head when the
+cache holds one (``python -m spec_rl_jax.sft --target eagle3``; ``--eagle3``), prompts from the held-out split of the
 built-in tasks, RL sampling (temperature 1, EOS on). For each batch size ``B`` (engine
 slots) the engine runs AR (K = 0) and SD with each proposer at each ``K`` on
 ``max(B, MIN_REQUESTS)`` requests (at B=1 they run one after another: one response of
@@ -16,8 +17,9 @@ for speed on the device JAX runs on (`common.torch_setup`, as in bench/rollout.p
 
 Where SD loses, a cost model from the same runs says why (`round_costs`): a round's
 device-loop seconds (``decode_s / rounds``) in AR steps, the n-gram round at the same K
-as the cost of verification (its drafting is nearly free), the draft model's drafting
-as the rest, and the speedup its acceptance would give with drafting free.
+as the cost of verification (its drafting is nearly free), each model drafter's (draft
+model, Eagle3 head) drafting as the rest, and the speedup its acceptance would give with
+drafting free.
 
 Each proposer also runs with ``auto`` (spec/adaptive.py: the draft length chosen per
 decode call, up to the largest K), and a draining workload (`_draining`: an RL-like
@@ -25,7 +27,7 @@ batch of 2x as many requests as slots with long-tailed lengths) compares AR, eve
 fixed K and ``auto`` on rollout time.
 
 Writes JSON (``summary``: best SD/AR speedup per proposer at each B, ``auto`` vs AR and
-vs the best fixed K with its rounds per k, the cost model at the draft model's best K,
+vs the best fixed K with its rounds per k, the cost model at each model drafter's best K,
 ours vs transformers assisted, and the draining workload's ratios) and a PNG of speedup
 vs K per batch size, the free-drafting ceiling dashed.
 """
@@ -48,28 +50,32 @@ MIN_REQUESTS = 8  # requests per timed run, whatever the batch size
 # it uses, as a long RL run does once (fixed-K engines compile theirs in one run).
 WARMUP_AUTO = 3
 FREE_DRAFTER = "ngram"  # drafts by matching token history: its rounds are verification
+MODEL_DRAFTERS = ("draft_model", "eagle3")  # proposers whose drafting runs a network
 
 
-def round_costs(round_s: dict[str, float], acceptance: dict[str, float], ks) -> dict:
-  """Cost model of a speculative round, per draft length ``K``.
+def round_costs(round_s: dict[str, float], acceptance: dict[str, float], ks,
+                drafter: str = "draft_model") -> dict:
+  """Cost model of a speculative round of ``drafter``, per draft length ``K``.
 
-  ``round_s``: device-loop seconds per round of ``ar``, ``draft_model_k{K}`` and
+  ``round_s``: device-loop seconds per round of ``ar``, ``{drafter}_k{K}`` and
   `FREE_DRAFTER` ``_k{K}`` on the same requests; ``acceptance``: tokens per slot-round.
-    round    draft model's round in AR steps;
+    round    the drafter's round in AR steps;
     verify   `FREE_DRAFTER`'s round in AR steps: the target forward over ``K + 1``
              positions, the rejection sampler and the bookkeeping, plus its matching
              (and every slot, busy or not: it reads siblings), so an upper bound;
-    draft    ``round - verify``: the draft model's ``K`` forwards (a lower bound);
-    ceiling  ``α / verify``: the speedup of the draft model's acceptance ``α`` with
+    draft    ``round - verify``: the drafter's ``K`` steps (a lower bound);
+    step     ``draft / K``: one draft step in AR steps;
+    ceiling  ``α / verify``: the speedup of the drafter's acceptance ``α`` with
              drafting free (a lower bound).
   Returns ``{quantity: {K: value}}``.
   """
-  out = {q: {} for q in ("round", "verify", "draft", "ceiling")}
+  out = {q: {} for q in ("round", "verify", "draft", "step", "ceiling")}
   for k in ks:
-    dm = f"draft_model_k{k}"
+    dm = f"{drafter}_k{k}"
     out["round"][k] = round_s[dm] / round_s["ar"]
     out["verify"][k] = round_s[f"{FREE_DRAFTER}_k{k}"] / round_s["ar"]
     out["draft"][k] = out["round"][k] - out["verify"][k]
+    out["step"][k] = out["draft"][k] / k
     out["ceiling"][k] = acceptance[dm] / out["verify"][k]
   return out
 
@@ -96,6 +102,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--out", default=common.default_out("spec"))
   ap.add_argument("--policy", default=None, help="HF checkpoint dir (default: cache/policy)")
   ap.add_argument("--draft", default=None, help="HF checkpoint dir (default: cache/draft)")
+  ap.add_argument("--eagle3", default=None,
+                  help="Eagle3 head dir (default: cache/eagle3, skipped when absent)")
   ap.add_argument("--batch-sizes", default=None)
   ap.add_argument("--ks", default=None)
   args = ap.parse_args(argv)
@@ -120,6 +128,13 @@ def main(argv=None) -> dict:
       "draft_model": lambda: DraftModelProposer(DraftModelConfig(), draft, draft_tok, tokenizer),
       "ngram": lambda: build_proposer("ngram", policy, max_ngram=4),
   }
+  eagle3_dir = args.eagle3 or os.path.join(cache_dir(), "eagle3")
+  if os.path.exists(os.path.join(eagle3_dir, "config.json")):
+    proposers["eagle3"] = lambda: build_proposer("eagle3", policy, tokenizer,
+                                                 path=os.path.abspath(eagle3_dir))
+  else:
+    print(f"no Eagle3 head at {eagle3_dir} (python -m spec_rl_jax.sft --target eagle3):"
+          " its rows are skipped")
   print(f"machine {common.machine_info()}; B={batch_sizes} K={ks} reps={reps}")
 
   rows, summary, curves, ceilings = [], {}, {}, {}
@@ -172,17 +187,20 @@ def main(argv=None) -> dict:
       summary[f"auto_{p}_vs_ar_b{B}"] = res["ratio"][f"{p}_auto"]
       summary[f"auto_{p}_vs_best_k_b{B}"] = res["ratio"][f"{p}_auto"] / sp[best_k]
       summary[f"auto_{p}_k_frac_b{B}"] = _k_fractions(last[f"{p}_auto"])
-    costs = round_costs({n: float(t / r) for n, (t, r) in loop.items()},
-                        {n: m["acceptance_length"] for n, m in last.items()}, ks)
-    ceilings[B] = costs["ceiling"]
-    for q in costs:
-      rows += [{"case": f"B={B}", "system": f"draft_model_k{k}",
-                "metric": f"{q}_ar_steps" if q != "ceiling" else "free_draft_ceiling",
-                "value": costs[q][k]} for k in ks]
-    best_k = summary[f"sd_draft_model_best_k_b{B}"]
-    summary.update({f"draft_model_{q}_ar_steps_b{B}": costs[q][best_k]
-                    for q in ("round", "verify", "draft")})
-    summary[f"draft_model_free_draft_ceiling_b{B}"] = costs["ceiling"][best_k]
+    for p in (p for p in MODEL_DRAFTERS if p in proposers):
+      costs = round_costs({n: float(t / r) for n, (t, r) in loop.items()},
+                          {n: m["acceptance_length"] for n, m in last.items()}, ks, p)
+      ceilings[(B, p)] = costs["ceiling"]
+      for q in costs:
+        rows += [{"case": f"B={B}", "system": f"{p}_k{k}",
+                  "metric": f"{q}_ar_steps" if q != "ceiling" else "free_draft_ceiling",
+                  "value": costs[q][k]} for k in ks]
+      best_k = summary[f"sd_{p}_best_k_b{B}"]
+      summary.update({f"{p}_{q}_ar_steps_b{B}": costs[q][best_k]
+                      for q in ("round", "verify", "draft", "step")})
+      summary[f"{p}_free_draft_ceiling_b{B}"] = costs["ceiling"][best_k]
+      summary[f"{p}_acceptance_length_k4_b{B}"] = last.get(f"{p}_k4", {}).get(
+          "acceptance_length")
     if B == 1:
       summary.update(_hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks,
                                engines, run, rows))
@@ -324,8 +342,8 @@ def _plot(curves, ceilings, ks, out) -> None:
   fig, ax = plt.subplots(figsize=(8.5, 4))
   for (B, p), sp in sorted(curves.items()):
     line, = ax.plot(ks, [sp[k] for k in ks], marker="o", label=f"{p}, B={B}")
-    if p == "draft_model":
-      ax.plot(ks, [ceilings[B][k] for k in ks], ls="--", color=line.get_color(),
+    if (B, p) in ceilings:
+      ax.plot(ks, [ceilings[(B, p)][k] for k in ks], ls="--", color=line.get_color(),
               label=f"{p}, B={B}, drafting free")
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_xlabel("draft length K")
