@@ -5,9 +5,9 @@
 Writes ``OUT_DIR/`` (``config.json``, safetensors, the run's tokenizer), which
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads and which is a
 ``policy.path`` for this trainer. When the run drafted with the ``draft_model``
-proposer, ``OUT_DIR/draft/`` holds the draft model the same way: the weights the run
-checkpointed with its policy (the trainer does not train the draft, so these are the
-ones the run drafted with). Proposers without weights (``ngram``, ``self_sparse``) have
+proposer, ``OUT_DIR/draft/`` holds the draft model the same way, the weights the run
+checkpointed with its policy; with ``eagle3``, ``OUT_DIR/eagle3/`` holds the head in the
+serving stacks' Eagle3 layout. Proposers without weights (``ngram``, ``self_sparse``) have
 nothing to export. An SFT run directory (``python -m spec_rl_jax.sft``) exports too.
 
 The weights are read from the run's orbax checkpoint at step ``N`` (default: the
@@ -23,10 +23,14 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
+import jax
+from flax import nnx
+
 from spec_rl_jax import checkpoint
-from spec_rl_jax.models import hf_io
+from spec_rl_jax.models import eagle3, eagle3_io, hf_io
 
 DRAFT_SUBDIR = "draft"
+EAGLE3_SUBDIR = "eagle3"  # the public Eagle3 layout (models/eagle3_io.py)
 
 
 @dataclasses.dataclass
@@ -101,6 +105,15 @@ def export(run_dir: str, out_dir: str, step: int | None = None,
       draft_dir = os.path.join(out_dir, DRAFT_SUBDIR)
       hf_io.save_hf_checkpoint(draft, draft_dir, tokenizer)
       log(f"draft model -> {draft_dir}")
+    elif meta.get("draft_head", {}).get("kind") == "eagle3":
+      cfg = {k: v for k, v in meta["draft_head"].items() if k != "kind"}
+      graphdef, state = nnx.split(eagle3.abstract_head(eagle3.Eagle3Config(**cfg)))
+      abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                              nnx.to_pure_dict(state))
+      head = nnx.merge(graphdef, ckpt.restore_params(abstract, step, "draft"))
+      draft_dir = os.path.join(out_dir, EAGLE3_SUBDIR)
+      eagle3_io.save_eagle3(head, draft_dir)
+      log(f"Eagle3 head -> {draft_dir}")
     else:
       log(f"no draft model exported: {no_draft_reason(meta)}")
   finally:

@@ -51,6 +51,7 @@ from spec_rl_jax import checkpoint, data, sharding, sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
 from spec_rl_jax.config import TrainConfig, dump_config, load_config, to_dict
+from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
 from spec_rl_jax.rl.learner import Learner, pack_rollouts
@@ -78,8 +79,8 @@ def ensure_default_models(cfg: TrainConfig) -> None:
   """Trains the built-in defaults into the cache on first use (``python -m
   spec_rl_jax.sft``), so the no-argument run works on a fresh machine."""
   wanted = [cfg.policy.path]
-  if cfg.drafter.k_max and cfg.drafter.proposer == "draft_model":
-    wanted.append(cfg.drafter.draft_model.path)
+  if cfg.drafter.k_max and hasattr(cfg.drafter.options, "path"):  # a drafter with weights
+    wanted.append(cfg.drafter.options.path)
   missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
   stale = sft.stale_targets([p for p in wanted if p in sft.TARGETS and p not in missing])
   if missing or stale:
@@ -178,6 +179,11 @@ class Trainer:
       raise ValueError(f"drafter.train.every > 0 but the {self.cfg.drafter.proposer!r}"
                        " proposer has no weights to train (use drafter.proposer=draft_model,"
                        " or drafter.train.every=0)")
+    if not isinstance(self.proposer.model(), Decoder):
+      raise ValueError(f"drafter.train.every > 0: online training covers draft models; the"
+                       f" {self.cfg.drafter.proposer!r} head trains offline (python -m"
+                       f" spec_rl_jax.sft --target {self.cfg.drafter.proposer}): set"
+                       " drafter.train.every=0")
     return self.proposer.model()
 
   # ------------------------------------------------------------------ checkpoints
@@ -196,9 +202,12 @@ class Trainer:
                                          "next_request_id": self.step * self.N},
             "model": checkpoint.config_to_json(self.learner.model().cfg),
             "proposer_memory": self.proposer.host_state() if self.proposer else {}}
-    if self.proposer is not None and self.proposer.model() is not None:
-      # The draft's architecture, so its weights (state["draft"]) export on their own.
-      meta["draft_model"] = checkpoint.config_to_json(self.proposer.model().cfg)
+    drafter = self.proposer.model() if self.proposer is not None else None
+    # The drafter's architecture, so its weights (state["draft"]) export on their own.
+    if isinstance(drafter, Decoder):
+      meta["draft_model"] = checkpoint.config_to_json(drafter.cfg)
+    elif drafter is not None:
+      meta["draft_head"] = {"kind": self.proposer.name, **dataclasses.asdict(drafter.cfg)}
     return meta
 
   def save(self) -> None:

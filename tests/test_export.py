@@ -13,6 +13,7 @@ from flax import nnx
 
 from spec_rl_jax import checkpoint, export, train
 from spec_rl_jax.config import load_config
+from spec_rl_jax.models import eagle3_io
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.tokenizer import Tokenizer
 from tests.rl_fixtures import tiny_overrides, write_tiny_models
@@ -92,6 +93,22 @@ def test_finished_run_is_the_next_runs_policy(run, tmp_path):
                  trainer.learner.state["params"])
   finally:
     trainer.close()
+
+
+@pytest.mark.slow
+def test_an_eagle3_run_exports_its_head(run, tmp_path):
+  models, _ = run
+  run_dir = str(tmp_path / "run")
+  train.main(tiny_overrides(models, run_dir, **{**DRAFTER, "drafter.proposer": "eagle3",
+                                                "steps": 1}))
+  out = export.main([run_dir, str(tmp_path / "out")])
+  assert out.draft == os.path.join(str(tmp_path / "out"), export.EAGLE3_SUBDIR)
+  policy, _ = checkpoint.load_model(models["policy"])
+  exported = eagle3_io.load_eagle3(out.draft, policy.cfg)
+  original = eagle3_io.load_eagle3(models["eagle3"], policy.cfg)
+  assert exported.cfg == original.cfg
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(exported)),
+               nnx.to_pure_dict(nnx.state(original)))
 
 
 @pytest.mark.parametrize("drafter,reason", [

@@ -107,11 +107,12 @@ def test_nan_drafter_loss_is_skipped_and_counted(models, tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides,error,match", [
     ({"drafter.proposer": "ngram"}, ValueError, "'ngram' proposer has no weights to train"),
     ({"drafter.num_draft_tokens": 0}, ValueError, "there is no drafter to train"),
+    ({"drafter.proposer": "eagle3"}, ValueError, "online training covers draft models"),
     ({"drafter.train.loss": "kl"}, ConfigError,
      "drafter.train.loss='kl' is not one of \\['forward_kl', 'reverse_kl', 'tv'\\]"),
     ({"drafter.train.loss_weight": -1}, ConfigError, "loss_weight must be >= 0, got -1"),
     ({"drafter.train.weighting": "advantage"}, ConfigError, "'reward', 'uniform'"),
-], ids=["ngram", "no-drafts", "loss", "lambda", "weighting"])
+], ids=["ngram", "no-drafts", "eagle3", "loss", "lambda", "weighting"])
 def test_drafter_training_bad_input(models, tmp_path, overrides, error, match):
   with pytest.raises(error, match=match):
     train.main(tiny_overrides(models, str(tmp_path / "run"),
