@@ -7,7 +7,8 @@ Writes ``OUT_DIR/`` (``config.json``, safetensors, the run's tokenizer), which
 ``policy.path`` for this trainer. When the run drafted with the ``draft_model``
 proposer, ``OUT_DIR/draft/`` holds the draft model the same way, the weights the run
 checkpointed with its policy; with ``eagle3``, ``OUT_DIR/eagle3/`` holds the head in the
-serving stacks' Eagle3 layout. Proposers without weights (``ngram``, ``self_sparse``) have
+serving stacks' Eagle3 layout, and with ``mtp`` ``OUT_DIR/mtp/`` the MTP heads under
+DeepSeek-V3's tensor names. Proposers without weights (``ngram``, ``self_sparse``) have
 nothing to export. An SFT run directory (``python -m spec_rl_jax.sft``) exports too.
 
 The weights are read from the run's orbax checkpoint at step ``N`` (default: the
@@ -27,10 +28,26 @@ import jax
 from flax import nnx
 
 from spec_rl_jax import checkpoint
-from spec_rl_jax.models import eagle3, eagle3_io, hf_io
+from spec_rl_jax.models import eagle3, eagle3_io, hf_io, mtp
 
 DRAFT_SUBDIR = "draft"
-EAGLE3_SUBDIR = "eagle3"  # the public Eagle3 layout (models/eagle3_io.py)
+
+
+def _eagle3_head(meta: dict):
+  return eagle3.abstract_head(eagle3.Eagle3Config(
+      **{k: v for k, v in meta.items() if k != "kind"}))
+
+
+def _mtp_heads(meta: dict):
+  return mtp.abstract_heads(mtp.MTPConfig(meta["num_modules"],
+                                          checkpoint.config_from_json(meta["policy"]),
+                                          meta["policy_fingerprint"]))
+
+
+# Draft heads by proposer: (abstract heads from the run's meta, writer); each exports to
+# OUT_DIR/<proposer>/ in its exchange layout.
+HEAD_EXPORTS = {"eagle3": (_eagle3_head, eagle3_io.save_eagle3),
+                "mtp": (_mtp_heads, mtp.save_mtp)}
 
 
 @dataclasses.dataclass
@@ -105,15 +122,16 @@ def export(run_dir: str, out_dir: str, step: int | None = None,
       draft_dir = os.path.join(out_dir, DRAFT_SUBDIR)
       hf_io.save_hf_checkpoint(draft, draft_dir, tokenizer)
       log(f"draft model -> {draft_dir}")
-    elif meta.get("draft_head", {}).get("kind") == "eagle3":
-      cfg = {k: v for k, v in meta["draft_head"].items() if k != "kind"}
-      graphdef, state = nnx.split(eagle3.abstract_head(eagle3.Eagle3Config(**cfg)))
+    elif "draft_head" in meta:
+      kind = meta["draft_head"]["kind"]
+      abstract_head, save = HEAD_EXPORTS[kind]
+      graphdef, state = nnx.split(abstract_head(meta["draft_head"]))
       abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                               nnx.to_pure_dict(state))
       head = nnx.merge(graphdef, ckpt.restore_params(abstract, step, "draft"))
-      draft_dir = os.path.join(out_dir, EAGLE3_SUBDIR)
-      eagle3_io.save_eagle3(head, draft_dir)
-      log(f"Eagle3 head -> {draft_dir}")
+      draft_dir = os.path.join(out_dir, kind)
+      save(head, draft_dir)
+      log(f"{kind} heads -> {draft_dir}")
     else:
       log(f"no draft model exported: {no_draft_reason(meta)}")
   finally:

@@ -2,15 +2,18 @@
 trains when a target sets ``head``.
 
 Every step runs the policy teacher-forced on an SFT batch (its logits are the teacher,
-its hidden states the heads' input; no gradient reaches it) and distils the head's
-drafts into the policy's next-token distributions over the response tokens:
+its hidden states the heads' input; no gradient reaches it) and distils the heads'
+drafts into the policy's next-token distributions ``p_j`` over the response tokens:
 
   eagle3  Eagle3's training-time test (`eagle3.training_time_test`) over ``ttt_steps``
           draft steps: step ``s`` at position ``j`` is the ``s``-th draft of a round
-          that started at ``j - s``, fed the head's own outputs as drafting does, and is
-          weighted ``0.8^s`` (later steps matter only once the earlier ones are
-          accepted, as in EAGLE-3's training).  Loss: ``Σ_s 0.8^s KL(p_j || q^s_j)``,
-          the teacher ``p`` renormalised over the draft vocabulary.
+          that started at ``j - s``, fed the head's own outputs as drafting does.
+          ``L = Σ_s 0.8^s KL(p_j || q^s_j)`` (EAGLE-3's step weights: a later draft
+          counts only once the earlier ones are accepted), ``p`` renormalised over the
+          draft vocabulary.
+  mtp     the D_m modules' chain (`mtp.forward`); ``L = (1/D_m) Σ_d KL(p_j || q^d_j)``
+          (DeepSeek-V3's average over modules, with the policy's distribution in place
+          of the data token).
 
 The held-out measure is the teacher-forced acceptance probability of each draft step,
 ``α_s = E[Σ_v min(p_j(v), q^s_j(v))]``: the chance the verifier accepts draft ``s``
@@ -34,13 +37,13 @@ import optax
 from flax import nnx
 
 from spec_rl_jax import checkpoint, data
-from spec_rl_jax.models import eagle3, eagle3_io
+from spec_rl_jax.models import eagle3, eagle3_io, mtp
 from spec_rl_jax.models.layout import training_compiler_options
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder, teacher_forced
 from spec_rl_jax.rl import losses
 
-STEP_DECAY = 0.8  # weight of draft step s: STEP_DECAY ** s
+STEP_DECAY = 0.8  # Eagle3: weight of draft step s is STEP_DECAY ** s
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +60,27 @@ class Eagle3Options:
 
 
 @dataclasses.dataclass(frozen=True)
+class MTPOptions:
+  """``num_modules``: D_m, the most drafts a round can take from the heads."""
+
+  num_modules: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
 class HeadKind:
-  """How one kind of head is made, trained, scored and saved."""
+  """How one kind of head is made, run teacher-forced, trained and saved.
+
+  ``step_logits(head, tables, tokens, policy_out, valid, options) -> [s, B, T, Vd]``:
+  every draft step's logits at every position (``tables``: the policy's embedding and
+  LM head); ``teacher(head, logits [B, T, V]) -> [B, T, Vd]``: the policy's logits on the
+  drafts' vocabulary; ``loss(step_logits, teacher, mask) -> (loss, {name: scalar})``.
+  """
 
   Options: type
   make: Callable[[Decoder, Any, str, int], nnx.Module]  # (policy, options, fingerprint, seed)
-  step_logits: Callable[..., jax.Array]  # (head, policy_out, e, valid, options) -> [s,B,T,V]
+  step_logits: Callable[..., jax.Array]
+  teacher: Callable[[nnx.Module, jax.Array], jax.Array]
+  loss: Callable[..., tuple[jax.Array, dict]]
   save: Callable[[nnx.Module, str], None]
 
 
@@ -72,12 +90,43 @@ def _eagle3_make(policy: Decoder, options: Eagle3Options, fingerprint: str, seed
   return eagle3.init_head(cfg, seed)
 
 
-def _eagle3_logits(head, policy_out, e, valid, options: Eagle3Options) -> jax.Array:
+def _eagle3_logits(head, tables, tokens, policy_out, valid, options: Eagle3Options):
+  e = jnp.take(tables.embed, tokens, axis=0)
   return eagle3.training_time_test(head, e, policy_out.hidden, valid, options.ttt_steps)
 
 
+def _eagle3_loss(step_logits, teacher, mask):
+  loss, metrics = 0.0, {}
+  T = mask.shape[1]
+  for s in range(step_logits.shape[0]):
+    m = mask * (jnp.arange(T) >= s)[None, :]  # step s of a round that started at j - s
+    kl = (losses.distill_loss("forward_kl", step_logits[s], teacher) * m).sum()
+    kl = kl / jnp.maximum(m.sum(), 1.0)
+    loss = loss + STEP_DECAY ** s * kl
+    metrics[f"kl_{s}"] = kl
+  return loss, metrics
+
+
+def _mtp_make(policy: Decoder, options: MTPOptions, fingerprint: str, seed: int):
+  return mtp.init_heads(mtp.MTPConfig(options.num_modules, policy.cfg, fingerprint), seed)
+
+
+def _mtp_logits(heads, tables, tokens, policy_out, valid, options: MTPOptions):
+  del options
+  return mtp.forward(heads, tables, tokens, policy_out.hidden[0], valid)
+
+
+def _mtp_loss(step_logits, teacher, mask):
+  loss, m = mtp.distill_loss(step_logits, teacher, mask)
+  return loss, {f"kl_{d}": kl for d, kl in enumerate(m["kl"])}
+
+
 HEADS: dict[str, HeadKind] = {
-    "eagle3": HeadKind(Eagle3Options, _eagle3_make, _eagle3_logits, eagle3_io.save_eagle3),
+    "eagle3": HeadKind(Eagle3Options, _eagle3_make, _eagle3_logits,
+                       lambda head, logits: logits[..., head.target_ids()], _eagle3_loss,
+                       eagle3_io.save_eagle3),
+    "mtp": HeadKind(MTPOptions, _mtp_make, _mtp_logits, lambda heads, logits: logits,
+                    _mtp_loss, mtp.save_mtp),
 }
 
 
@@ -98,31 +147,20 @@ def parse_options(kind: str, options: Sequence[tuple[str, Any]]):
 
 
 def _policy_pass(policy_graphdef, policy_params, head, tokens, valid):
-  """The frozen policy's teacher-forced outputs (the head's declared hidden layers) and
-  token embeddings, without gradient."""
+  """The frozen policy's teacher-forced outputs (with the head's hidden layers) and its
+  embedding and LM head tables, without gradient."""
   out = teacher_forced(policy_graphdef, policy_params, tokens, valid, head.cfg.hidden_layers)
-  e = jnp.take(nnx.merge(policy_graphdef, policy_params).embed[...], tokens, axis=0)
-  return jax.lax.stop_gradient((out, e))
+  tables = mtp.policy_tables(policy_graphdef, policy_params)
+  return jax.lax.stop_gradient((out, tables))
 
 
-def _teacher_on_draft_vocab(head, logits: jax.Array) -> jax.Array:
-  """``[B, T, V]`` policy logits at the head's draft-vocabulary ids → ``[B, T, Vd]``."""
-  return logits[..., head.target_ids()]
-
-
-def head_loss(head, policy_out, e, batch, kind: HeadKind, options):
-  """``Σ_s 0.8^s · mean KL(p || q^s)`` over the positions whose next token is a response
-  token (and, for step ``s``, ``j >= s``); metrics: the loss and step-0 agreement."""
-  step_logits = kind.step_logits(head, policy_out, e, batch["valid"], options)  # [s,B,T,Vd]
-  teacher = _teacher_on_draft_vocab(head, policy_out.logits)
-  T = e.shape[1]
-  loss, metrics = 0.0, {}
-  for s in range(step_logits.shape[0]):
-    mask = batch["loss_mask"] * (jnp.arange(T) >= s)[None, :]
-    n = jnp.maximum(mask.sum(), 1.0)
-    kl = (losses.distill_loss("forward_kl", step_logits[s], teacher) * mask).sum() / n
-    loss = loss + STEP_DECAY ** s * kl
-    metrics[f"kl_{s}"] = kl
+def head_loss(head, tables, policy_out, batch, kind: HeadKind, options):
+  """The kind's distillation loss of ``head`` on ``batch`` (response positions), with
+  the step-0 top-1 agreement with the policy among its metrics."""
+  step_logits = kind.step_logits(head, tables, batch["tokens"], policy_out, batch["valid"],
+                                 options)
+  teacher = kind.teacher(head, policy_out.logits)
+  loss, metrics = kind.loss(step_logits, teacher, batch["loss_mask"])
   agree = (step_logits[0].argmax(-1) == teacher.argmax(-1)) * batch["loss_mask"]
   metrics["top1_agreement"] = agree.sum() / jnp.maximum(batch["loss_mask"].sum(), 1.0)
   return loss, {**metrics, "loss": loss}
@@ -133,11 +171,12 @@ def train_step(graphdef, rest, state, batch, policy_params, *, policy_graphdef, 
   """One optimizer step of the head's parameters (``state = {"params", "opt", "step"}``;
   ``rest``: its non-trained variables, e.g. Eagle3's ``d2t``)."""
   frozen = nnx.merge(graphdef, state["params"], rest)
-  policy_out, e = _policy_pass(policy_graphdef, policy_params, frozen, batch["tokens"],
-                               batch["valid"])
+  policy_out, tables = _policy_pass(policy_graphdef, policy_params, frozen, batch["tokens"],
+                                    batch["valid"])
 
   def loss_fn(params):
-    return head_loss(nnx.merge(graphdef, params, rest), policy_out, e, batch, kind, options)
+    return head_loss(nnx.merge(graphdef, params, rest), tables, policy_out, batch, kind,
+                     options)
 
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
   updates, opt = tx.update(grads, state["opt"], state["params"])
@@ -201,10 +240,10 @@ def acceptance(head, kind_name: str, options, policy: Decoder, tokenizer: Tokeni
 
   @jax.jit
   def score(batch):
-    out, e = _policy_pass(policy_graphdef, policy_params, head, batch["tokens"],
-                          batch["valid"])
-    q = kind.step_logits(head, out, e, batch["valid"], options)
-    p = _teacher_on_draft_vocab(head, out.logits)
+    out, tables = _policy_pass(policy_graphdef, policy_params, head, batch["tokens"],
+                               batch["valid"])
+    q = kind.step_logits(head, tables, batch["tokens"], out, batch["valid"], options)
+    p = kind.teacher(head, out.logits)
     alpha = jax.vmap(lambda qs: losses.acceptance_prob(qs, p))(q)  # [s, B, T]
     return alpha, q[0].argmax(-1) == p.argmax(-1)
 

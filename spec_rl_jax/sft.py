@@ -116,6 +116,8 @@ TARGETS: dict[str, SFTConfig] = {
     "draft": SFTConfig(model="default-draft", steps=300),
     "eagle3": SFTConfig(head="eagle3", teacher="policy", steps=300,
                         head_options=(("feature_layers", (1, 3, 5)), ("ttt_steps", 3))),
+    "mtp": SFTConfig(head="mtp", teacher="policy", steps=300,
+                     head_options=(("num_modules", 4),)),
     "long-policy-count": SFTConfig(**_COUNT),
     "long-policy-short": SFTConfig(**_SHORT),
     "long-policy": SFTConfig(**_LONG),

@@ -13,7 +13,7 @@ from flax import nnx
 
 from spec_rl_jax import checkpoint, export, train
 from spec_rl_jax.config import load_config
-from spec_rl_jax.models import eagle3_io
+from spec_rl_jax.models import eagle3_io, mtp
 from spec_rl_jax.models.attention import NoCache
 from spec_rl_jax.models.tokenizer import Tokenizer
 from tests.rl_fixtures import tiny_overrides, write_tiny_models
@@ -95,17 +95,21 @@ def test_finished_run_is_the_next_runs_policy(run, tmp_path):
     trainer.close()
 
 
+HEAD_LOADERS = {"eagle3": eagle3_io.load_eagle3, "mtp": mtp.load_mtp}
+
+
 @pytest.mark.slow
-def test_an_eagle3_run_exports_its_head(run, tmp_path):
+@pytest.mark.parametrize("proposer", ["eagle3", "mtp"])
+def test_a_head_run_exports_its_heads(run, tmp_path, proposer):
   models, _ = run
   run_dir = str(tmp_path / "run")
-  train.main(tiny_overrides(models, run_dir, **{**DRAFTER, "drafter.proposer": "eagle3",
+  train.main(tiny_overrides(models, run_dir, **{**DRAFTER, "drafter.proposer": proposer,
                                                 "steps": 1}))
   out = export.main([run_dir, str(tmp_path / "out")])
-  assert out.draft == os.path.join(str(tmp_path / "out"), export.EAGLE3_SUBDIR)
+  assert out.draft == os.path.join(str(tmp_path / "out"), proposer)
   policy, _ = checkpoint.load_model(models["policy"])
-  exported = eagle3_io.load_eagle3(out.draft, policy.cfg)
-  original = eagle3_io.load_eagle3(models["eagle3"], policy.cfg)
+  exported = HEAD_LOADERS[proposer](out.draft, policy.cfg)
+  original = HEAD_LOADERS[proposer](models[proposer], policy.cfg)
   assert exported.cfg == original.cfg
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(exported)),
                nnx.to_pure_dict(nnx.state(original)))

@@ -9,7 +9,7 @@ import pytest
 
 from spec_rl_jax import head_sft, sft
 from spec_rl_jax.data import Source
-from spec_rl_jax.models import eagle3, eagle3_io, hf_io
+from spec_rl_jax.models import eagle3, hf_io
 from spec_rl_jax.spec.proposers import build_proposer
 from spec_rl_jax.tasks.bpe import default_tokenizer
 
@@ -17,6 +17,8 @@ DATA = ("task:arithmetic?max_digits=2",)
 HEAD = sft.SFTConfig(head="eagle3", teacher="pol", data=DATA, steps=20, batch_size=8,
                      max_len=32, lr=3e-3, warmup_steps=2, log_every=5, ckpt_every=10,
                      head_options=(("feature_layers", (1, 2, 2)), ("ttt_steps", 2)))
+HEADS = {"eagle3": HEAD,
+         "mtp": dataclasses.replace(HEAD, head="mtp", head_options=(("num_modules", 2),))}
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +39,26 @@ def cache(tok, tmp_path_factory):
   return root, policy
 
 
-def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch):
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
+def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch, kind):
   root, policy = cache
+  cfg = HEADS[kind]
   monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(root))
-  monkeypatch.setitem(sft.TARGETS, "head", HEAD)
-  report = sft.produce(["head"], {}, progress=False, eval_n=32)
-  trained = report["models"]["head"]["accuracy"][DATA[0]]
-  options = head_sft.parse_options("eagle3", HEAD.head_options)
-  fresh = head_sft.trainee("eagle3", options, policy, tok, HEAD.seed, sft.make_optimizer(HEAD))
-  before = head_sft.acceptance(fresh.merge(fresh.params), "eagle3", options, policy, tok,
-                               [Source.parse(DATA[0])], 32, HEAD.max_len)
+  monkeypatch.setitem(sft.TARGETS, kind, cfg)
+  report = sft.produce([kind], {}, progress=False, eval_n=32)
+  trained = report["models"][kind]["accuracy"][DATA[0]]
+  options = head_sft.parse_options(kind, cfg.head_options)
+  fresh = head_sft.trainee(kind, options, policy, tok, cfg.seed, sft.make_optimizer(cfg))
+  before = head_sft.acceptance(fresh.merge(fresh.params), kind, options, policy, tok,
+                               [Source.parse(DATA[0])], 32, cfg.max_len)
   assert trained["alpha_0"] > before["alpha_0"] + 0.1, (before, trained)
   assert trained["alpha_1"] > before["alpha_1"]
-  # Exported in the public layout, for this policy (its fingerprint recorded).
-  head = eagle3_io.load_eagle3(str(root / "head"), policy.cfg)
-  assert head.cfg.policy_fingerprint == eagle3.policy_fingerprint(
+  # Exported for this policy (its fingerprint recorded); the proposer builds from it.
+  proposer = build_proposer(kind, policy, tok, path=kind)
+  assert proposer.model().cfg.policy_fingerprint == eagle3.policy_fingerprint(
       policy.cfg, tok.backend.get_vocab())
-  proposer = build_proposer("eagle3", policy, tok, path="head")
-  assert proposer.hidden_layers == (0, 1, 1)
-  assert os.path.exists(root / "runs" / "head" / "tb")
+  assert proposer.hidden_layers == {"eagle3": (0, 1, 1), "mtp": (2,)}[kind]
+  assert os.path.exists(root / "runs" / kind / "tb")
 
 
 def test_bad_head_recipes_are_refused(tok, cache, monkeypatch, tmp_path):
@@ -65,6 +68,8 @@ def test_bad_head_recipes_are_refused(tok, cache, monkeypatch, tmp_path):
     head_sft.parse_options("eagle3", (("layers", (1, 2, 3)),))
   with pytest.raises(ValueError, match="ttt_steps"):
     head_sft.parse_options("eagle3", (("ttt_steps", 0),))
+  with pytest.raises(ValueError, match="unknown mtp option"):
+    head_sft.parse_options("mtp", (("ttt_steps", 2),))
   with pytest.raises(ValueError, match="unknown head"):
     head_sft.head_kind("medusa")
   with pytest.raises(ValueError, match="set teacher"):

@@ -20,6 +20,7 @@ def models(tmp_path_factory):
 
 @pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", "auto"),
                                         ("self_sparse", 2), ("eagle3", 2),
+                                        pytest.param("mtp", 2, marks=pytest.mark.slow),
                                         ("draft_model", 0)])
 def test_few_steps_each_proposer(models, tmp_path, proposer, K):
   run_dir = str(tmp_path / "run")
@@ -60,7 +61,7 @@ def test_few_steps_each_proposer(models, tmp_path, proposer, K):
     assert 0 < records[0][f"time/{phase}_compile_s"] <= records[0][f"time/{phase}_s"]
   assert all(0 < r["time/rollout_decode_s"] < r["time/rollout_s"] for r in records)
   lag = [r["spec/draft_lag_steps"] for r in records]
-  assert lag == ([1, 2] if proposer in ("draft_model", "eagle3") and K_max else [0, 0])
+  assert lag == ([1, 2] if proposer in ("draft_model", "eagle3", "mtp") and K_max else [0, 0])
   assert load_config(os.path.join(run_dir, "config.yaml")) == load_config(None, overrides)
   assert sorted(os.listdir(os.path.join(run_dir, "ckpt")))[-1] == "2"
   assert {os.path.basename(p) for p in summary["plots"]} == {"reward.png",

@@ -1,8 +1,9 @@
 """Speculative vs autoregressive rollouts: ``python -m spec_rl_jax.bench.spec``.
 
 Workload: the default policy and draft model (``python -m spec_rl_jax.sft`` puts them in
-the cache; ``--policy/--draft`` point elsewhere) and the policy's Eagle3 head when the
-cache holds one (``python -m spec_rl_jax.sft --target eagle3``; ``--eagle3``), prompts from the held-out split of the
+the cache; ``--policy/--draft`` point elsewhere) and the policy's Eagle3 and MTP heads
+when the cache holds them (``python -m spec_rl_jax.sft --target eagle3`` / ``mtp``;
+``--eagle3``, ``--mtp``), prompts from the held-out split of the
 built-in tasks, RL sampling (temperature 1, EOS on). For each batch size ``B`` (engine
 slots) the engine runs AR (K = 0) and SD with each proposer at each ``K`` on
 ``max(B, MIN_REQUESTS)`` requests (at B=1 they run one after another: one response of
@@ -18,7 +19,7 @@ for speed on the device JAX runs on (`common.torch_setup`, as in bench/rollout.p
 Where SD loses, a cost model from the same runs says why (`round_costs`): a round's
 device-loop seconds (``decode_s / rounds``) in AR steps, the n-gram round at the same K
 as the cost of verification (its drafting is nearly free), each model drafter's (draft
-model, Eagle3 head) drafting as the rest, and the speedup its acceptance would give with
+model, Eagle3 and MTP heads) drafting as the rest, and the speedup its acceptance would give with
 drafting free.
 
 Each proposer also runs with ``auto`` (spec/adaptive.py: the draft length chosen per
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import time
 
@@ -50,7 +52,7 @@ MIN_REQUESTS = 8  # requests per timed run, whatever the batch size
 # it uses, as a long RL run does once (fixed-K engines compile theirs in one run).
 WARMUP_AUTO = 3
 FREE_DRAFTER = "ngram"  # drafts by matching token history: its rounds are verification
-MODEL_DRAFTERS = ("draft_model", "eagle3")  # proposers whose drafting runs a network
+MODEL_DRAFTERS = ("draft_model", "eagle3", "mtp")  # proposers whose drafting runs a network
 
 
 def round_costs(round_s: dict[str, float], acceptance: dict[str, float], ks,
@@ -104,6 +106,8 @@ def main(argv=None) -> dict:
   ap.add_argument("--draft", default=None, help="HF checkpoint dir (default: cache/draft)")
   ap.add_argument("--eagle3", default=None,
                   help="Eagle3 head dir (default: cache/eagle3, skipped when absent)")
+  ap.add_argument("--mtp", default=None,
+                  help="MTP heads dir (default: cache/mtp, skipped when absent)")
   ap.add_argument("--batch-sizes", default=None)
   ap.add_argument("--ks", default=None)
   args = ap.parse_args(argv)
@@ -128,13 +132,13 @@ def main(argv=None) -> dict:
       "draft_model": lambda: DraftModelProposer(DraftModelConfig(), draft, draft_tok, tokenizer),
       "ngram": lambda: build_proposer("ngram", policy, max_ngram=4),
   }
-  eagle3_dir = args.eagle3 or os.path.join(cache_dir(), "eagle3")
-  if os.path.exists(os.path.join(eagle3_dir, "config.json")):
-    proposers["eagle3"] = lambda: build_proposer("eagle3", policy, tokenizer,
-                                                 path=os.path.abspath(eagle3_dir))
-  else:
-    print(f"no Eagle3 head at {eagle3_dir} (python -m spec_rl_jax.sft --target eagle3):"
-          " its rows are skipped")
+  for name, marker in (("eagle3", "config.json"), ("mtp", "mtp_config.json")):
+    path = os.path.abspath(getattr(args, name) or os.path.join(cache_dir(), name))
+    if os.path.exists(os.path.join(path, marker)):
+      proposers[name] = functools.partial(build_proposer, name, policy, tokenizer, path=path)
+    else:
+      print(f"no {name} heads at {path} (python -m spec_rl_jax.sft --target {name}):"
+            " their rows are skipped")
   print(f"machine {common.machine_info()}; B={batch_sizes} K={ks} reps={reps}")
 
   rows, summary, curves, ceilings = [], {}, {}, {}

@@ -78,6 +78,11 @@ class MTPConfig:
     if self.num_modules < 1:
       raise ValueError(f"num_modules must be >= 1, got {self.num_modules}")
 
+  @property
+  def hidden_layers(self) -> tuple[int, ...]:
+    """The policy layer whose output is ``h^0``: the last."""
+    return (self.policy.num_layers - 1,)
+
   def pool_config(self) -> ModelConfig:
     """The modules as the layers of one KV pool (`PagedKVCache.init`)."""
     return self.policy.replace(num_layers=self.num_modules)

@@ -75,7 +75,7 @@ class MTPProposer(Proposer):
     super().__init__(config)
     heads.cfg.check_policy(policy.cfg, fingerprint)
     self.mtp_config = heads.cfg
-    self.hidden_layers = (policy.cfg.num_layers - 1,)
+    self.hidden_layers = heads.cfg.hidden_layers
     self._heads = heads
     self._graphdef = nnx.graphdef(heads)
     self._policy_graphdef = nnx.graphdef(policy)
