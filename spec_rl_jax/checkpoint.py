@@ -129,7 +129,13 @@ def _load_run(path: str) -> tuple[Decoder, Tokenizer | None]:
   ckpt = TrainCheckpointer(path)
   if ckpt.latest_step() is None:
     raise FileNotFoundError(f"{path}: run directory without checkpoints")
-  model = restore_decoder(ckpt, config_from_json(ckpt.restore_meta()["model"]))
+  meta = ckpt.restore_meta()
+  if "model" not in meta:
+    ckpt.close()
+    raise ValueError(f"{path} holds {meta['draft_head']['kind']} draft heads, not a model:"
+                     " export them (python -m spec_rl_jax.export) and name that directory"
+                     " in the proposer's path")
+  model = restore_decoder(ckpt, config_from_json(meta["model"]))
   ckpt.close()
   return model, run_tokenizer(path)
 

@@ -9,7 +9,8 @@ proposer, ``OUT_DIR/draft/`` holds the draft model the same way, the weights the
 checkpointed with its policy; with ``eagle3``, ``OUT_DIR/eagle3/`` holds the head in the
 serving stacks' Eagle3 layout, and with ``mtp`` ``OUT_DIR/mtp/`` the MTP heads under
 DeepSeek-V3's tensor names. Proposers without weights (``ngram``, ``self_sparse``) have
-nothing to export. An SFT run directory (``python -m spec_rl_jax.sft``) exports too.
+nothing to export. An SFT run directory (``python -m spec_rl_jax.sft``) exports too; a
+draft-head target's run (``--target eagle3`` / ``mtp``) exports its heads to ``OUT_DIR``.
 
 The weights are read from the run's orbax checkpoint at step ``N`` (default: the
 latest) by `checkpoint.restore_decoder`, the same code that opens a run directory given
@@ -97,6 +98,19 @@ def no_draft_reason(meta: dict) -> str:
   return f"the {name} proposer has no weights"
 
 
+def _export_heads(ckpt, head_meta: dict, step: int, keys: tuple[str, ...],
+                  out_dir: str) -> None:
+  """Writes the heads stored at ``step`` in their exchange layout: ``state["draft"]``
+  (an RL run) or ``state["params"]`` and ``state["frozen"]`` (a head SFT run: trained
+  parameters apart from the rest)."""
+  abstract_head, save = HEAD_EXPORTS[head_meta["kind"]]
+  filters = (nnx.Param, ...) if len(keys) == 2 else (...,)
+  graphdef, *parts = nnx.split(abstract_head(head_meta), *filters)
+  restored = [ckpt.restore_params(jax.tree.map(lambda v: jax.ShapeDtypeStruct(
+      v.shape, v.dtype), nnx.to_pure_dict(part)), step, key) for part, key in zip(parts, keys)]
+  save(nnx.merge(graphdef, *restored), out_dir)
+
+
 def export(run_dir: str, out_dir: str, step: int | None = None,
            log: Callable[[str], None] = print) -> Exported:
   """Writes step ``step`` (None: the latest) of ``run_dir`` to ``out_dir`` (+ ``draft/``)."""
@@ -108,6 +122,10 @@ def export(run_dir: str, out_dir: str, step: int | None = None,
     step = pick_step(ckpt, run_dir, step)
     meta = ckpt.restore_meta(step)
     tokenizer = checkpoint.run_tokenizer(run_dir)
+    if "model" not in meta:  # a draft-head SFT run: its heads are the whole checkpoint
+      _export_heads(ckpt, meta["draft_head"], step, ("params", "frozen"), out_dir)
+      log(f"{meta['draft_head']['kind']} heads of {run_dir} step {step} -> {out_dir}")
+      return Exported(step, out_dir, None, False)
     if tokenizer is None:
       log(f"warning: {run_dir} has no {checkpoint.TOKENIZER_DIR}/ (a run from before runs"
           " saved it): exporting without a tokenizer")
@@ -123,15 +141,9 @@ def export(run_dir: str, out_dir: str, step: int | None = None,
       hf_io.save_hf_checkpoint(draft, draft_dir, tokenizer)
       log(f"draft model -> {draft_dir}")
     elif "draft_head" in meta:
-      kind = meta["draft_head"]["kind"]
-      abstract_head, save = HEAD_EXPORTS[kind]
-      graphdef, state = nnx.split(abstract_head(meta["draft_head"]))
-      abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                              nnx.to_pure_dict(state))
-      head = nnx.merge(graphdef, ckpt.restore_params(abstract, step, "draft"))
-      draft_dir = os.path.join(out_dir, kind)
-      save(head, draft_dir)
-      log(f"{kind} heads -> {draft_dir}")
+      draft_dir = os.path.join(out_dir, meta["draft_head"]["kind"])
+      _export_heads(ckpt, meta["draft_head"], step, ("draft",), draft_dir)
+      log(f"{meta['draft_head']['kind']} heads -> {draft_dir}")
     else:
       log(f"no draft model exported: {no_draft_reason(meta)}")
   finally:

@@ -166,10 +166,11 @@ def head_loss(head, tables, policy_out, batch, kind: HeadKind, options):
   return loss, {**metrics, "loss": loss}
 
 
-def train_step(graphdef, rest, state, batch, policy_params, *, policy_graphdef, tx, kind,
-               options):
-  """One optimizer step of the head's parameters (``state = {"params", "opt", "step"}``;
-  ``rest``: its non-trained variables, e.g. Eagle3's ``d2t``)."""
+def train_step(graphdef, state, batch, policy_params, *, policy_graphdef, tx, kind, options):
+  """One optimizer step of the head's parameters (``state = {"params", "opt", "step",
+  "frozen"}``; ``frozen``: its non-trained variables, e.g. Eagle3's ``d2t``, carried
+  along so that checkpoints hold the whole head)."""
+  rest = state["frozen"]
   frozen = nnx.merge(graphdef, state["params"], rest)
   policy_out, tables = _policy_pass(policy_graphdef, policy_params, frozen, batch["tokens"],
                                     batch["valid"])
@@ -182,18 +183,21 @@ def train_step(graphdef, rest, state, batch, policy_params, *, policy_graphdef, 
   updates, opt = tx.update(grads, state["opt"], state["params"])
   metrics["grad_norm"] = optax.tree.norm(grads)
   return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
-          "step": state["step"] + 1}, metrics
+          "step": state["step"] + 1, "frozen": rest}, metrics
 
 
 @dataclasses.dataclass
 class Trainee:
   """What `sft.train` needs of a model it trains: its parameters, a jitted step
-  ``(state, batch) -> (state, metrics)``, how to rebuild the module, and its config."""
+  ``(state, batch) -> (state, metrics)``, the module from a (final) state, the run's meta
+  entry describing it (``{"model": ...}`` for a decoder, ``{"draft_head": ...}`` for
+  heads, as RL runs record them) and state entries the step carries unchanged."""
 
   params: Any
   step: Callable[[dict, dict], tuple[dict, dict]]
-  merge: Callable[[Any], nnx.Module]
-  config_json: dict
+  merge: Callable[[dict], nnx.Module]
+  meta: dict
+  extra_state: dict = dataclasses.field(default_factory=dict)
 
 
 def load_policy(path: str, tokenizer: Tokenizer) -> Decoder:
@@ -215,18 +219,20 @@ def trainee(kind_name: str, options, policy: Decoder, tokenizer: Tokenizer, seed
   graphdef, params, rest = nnx.split(head, nnx.Param, ...)
   policy_graphdef, policy_state = nnx.split(policy)
   policy_params = nnx.to_pure_dict(policy_state)
-  step = jax.jit(functools.partial(train_step, graphdef, rest, policy_graphdef=policy_graphdef,
+  step = jax.jit(functools.partial(train_step, graphdef, policy_graphdef=policy_graphdef,
                                    tx=tx, kind=kind, options=options),
                  donate_argnums=0, compiler_options=training_compiler_options())
 
-  def merge(trained):
-    state = jax.tree.map(lambda x: x, params)  # a copy to fill
-    nnx.replace_by_pure_dict(state, trained)
-    return nnx.merge(graphdef, state, rest)
+  def merge(state):
+    trained, frozen = (jax.tree.map(lambda x: x, part) for part in (params, rest))
+    nnx.replace_by_pure_dict(trained, state["params"])
+    nnx.replace_by_pure_dict(frozen, state["frozen"])
+    return nnx.merge(graphdef, trained, frozen)
 
   return Trainee(params=nnx.to_pure_dict(params),
                  step=lambda state, batch: step(state, batch, policy_params), merge=merge,
-                 config_json={"head": kind_name, **dataclasses.asdict(head.cfg)})
+                 meta={"draft_head": {"kind": kind_name, **dataclasses.asdict(head.cfg)}},
+                 extra_state={"frozen": nnx.to_pure_dict(rest)})
 
 
 def acceptance(head, kind_name: str, options, policy: Decoder, tokenizer: Tokenizer,

@@ -228,7 +228,8 @@ def _decoder_trainee(cfg: SFTConfig, tokenizer: Tokenizer,
   return head_sft.Trainee(
       params=nnx.to_pure_dict(params),
       step=lambda state, batch: step_fn(state, batch, teacher_params),
-      merge=lambda p: nnx.merge(graphdef, p), config_json=checkpoint.config_to_json(model_cfg))
+      merge=lambda state: nnx.merge(graphdef, state["params"]),
+      meta={"model": checkpoint.config_to_json(model_cfg)})
 
 
 def _head_trainee(cfg: SFTConfig, tokenizer: Tokenizer,
@@ -247,12 +248,12 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
   tx = make_optimizer(cfg)
   trainee = (_head_trainee if cfg.head else _decoder_trainee)(cfg, tokenizer, tx)
   # One device, plainly placed: the step's outputs then match its inputs (one compile).
-  state = {"params": trainee.params, "step": jnp.int32(0)}
+  state = {"params": trainee.params, "step": jnp.int32(0), **trainee.extra_state}
   state = jax.device_put({**state, "opt": tx.init(state["params"])}, jax.devices()[0])
   sources = [data.Source.parse(s) for s in cfg.data]
   batches = iter(data.sft_batches(sources, tokenizer, cfg.batch_size, cfg.max_len,
                                   seed=cfg.seed, pad_multiple=cfg.pad_multiple))
-  meta = {"sft": dataclasses.asdict(cfg), "model": trainee.config_json}
+  meta = {"sft": dataclasses.asdict(cfg), **trainee.meta}
   ckpt = checkpoint.TrainCheckpointer(run_dir)
   if ckpt.latest_step() is not None:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
@@ -281,7 +282,7 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
   ckpt.wait()
   ckpt.close()
   writer.close()
-  model = trainee.merge(state["params"])
+  model = trainee.merge(state)
   info = {"steps": cfg.steps, "resumed_from": start,
           "params": sum(int(x.size) for x in jax.tree.leaves(state["params"])),
           "train_s": time.perf_counter() - t0}

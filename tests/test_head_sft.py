@@ -5,9 +5,12 @@ policy drafts it better than a fresh one, exports in the public layout and build
 import dataclasses
 import os
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
-from spec_rl_jax import head_sft, sft
+from spec_rl_jax import checkpoint, export, head_sft, sft
 from spec_rl_jax.data import Source
 from spec_rl_jax.models import eagle3, hf_io
 from spec_rl_jax.spec.proposers import build_proposer
@@ -40,7 +43,7 @@ def cache(tok, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
-def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch, kind):
+def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch, kind, tmp_path):
   root, policy = cache
   cfg = HEADS[kind]
   monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(root))
@@ -49,7 +52,8 @@ def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch, kind):
   trained = report["models"][kind]["accuracy"][DATA[0]]
   options = head_sft.parse_options(kind, cfg.head_options)
   fresh = head_sft.trainee(kind, options, policy, tok, cfg.seed, sft.make_optimizer(cfg))
-  before = head_sft.acceptance(fresh.merge(fresh.params), kind, options, policy, tok,
+  before = head_sft.acceptance(fresh.merge({"params": fresh.params, **fresh.extra_state}),
+                               kind, options, policy, tok,
                                [Source.parse(DATA[0])], 32, cfg.max_len)
   assert trained["alpha_0"] > before["alpha_0"] + 0.1, (before, trained)
   assert trained["alpha_1"] > before["alpha_1"]
@@ -59,6 +63,14 @@ def test_trained_head_drafts_the_policy_better(tok, cache, monkeypatch, kind):
       policy.cfg, tok.backend.get_vocab())
   assert proposer.hidden_layers == {"eagle3": (0, 1, 1), "mtp": (2,)}[kind]
   assert os.path.exists(root / "runs" / kind / "tb")
+  # The run directory exports the same heads; it is not a model to load.
+  run_dir = str(root / "runs" / kind)
+  export.main([run_dir, str(tmp_path / "exported")])
+  again = build_proposer(kind, policy, tok, path=str(tmp_path / "exported"))
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(again.model())),
+               nnx.to_pure_dict(nnx.state(proposer.model())))
+  with pytest.raises(ValueError, match=f"holds {kind} draft heads, not a model"):
+    checkpoint.load_model(run_dir)
 
 
 def test_bad_head_recipes_are_refused(tok, cache, monkeypatch, tmp_path):

@@ -227,7 +227,8 @@ def test_broken_sampler_is_detected(monkeypatch):
 
 def test_more_drafts_than_modules_are_refused(policy):
   prop = MTPProposer(MTPProposerConfig(), _heads(CFG, num_modules=2), policy)
-  with pytest.raises(ValueError, match="max_draft_tokens 3 > num_modules 2"):
+  with pytest.raises(ValueError, match="drafts at most 2 tokens per round; max_draft_tokens"
+                                       " is 3"):
     RolloutEngine(policy, EngineConfig(num_slots=2, page_size=8, num_pages=16, max_seq_len=32,
                                        max_new_tokens=8, max_draft_tokens=3), proposer=prop)
 
@@ -281,6 +282,8 @@ def test_bad_checkpoints_are_refused(policy, tmp_path):
     build_proposer("mtp", other, path=d)
   with pytest.raises(ValueError, match="hidden size"):
     MTPProposer(MTPProposerConfig(), _heads(CFG.replace(embed_dim=32)), policy)
+  with pytest.raises(ValueError, match="dtype bfloat16 .heads. vs float32"):
+    MTPProposer(MTPProposerConfig(), _heads(CFG.replace(param_dtype="bfloat16")), policy)
   name = "model.layers.3.self_attn.k_proj.weight"
   _rewrite(d, lambda t: t.__setitem__(name, t[name][:-1]))
   with pytest.raises(ValueError, match=f"{name}.*shape"):

@@ -41,6 +41,7 @@ import functools
 import os
 import time
 
+import jax
 import numpy as np
 
 from spec_rl_jax.bench import common
@@ -139,7 +140,10 @@ def main(argv=None) -> dict:
     else:
       print(f"no {name} heads at {path} (python -m spec_rl_jax.sft --target {name}):"
             " their rows are skipped")
-  print(f"machine {common.machine_info()}; B={batch_sizes} K={ks} reps={reps}")
+  # Each proposer's draft lengths: the K asked for, up to the most it drafts (MTP: its
+  # module count).
+  pks = {p: [k for k in ks if k <= (make().draft_limit or k)] for p, make in proposers.items()}
+  print(f"machine {common.machine_info()}; B={batch_sizes} K={pks} reps={reps}")
 
   rows, summary, curves, ceilings = [], {}, {}, {}
   for B in batch_sizes:
@@ -148,7 +152,7 @@ def main(argv=None) -> dict:
     cfg = EngineConfig(num_slots=B, page_size=16, num_pages=B * max_seq // 16,
                        max_seq_len=max_seq, max_new_tokens=max_new, round_budget=max_new,
                        sampling=sampling, eos_ids=tokenizer.eos_ids)
-    engines = _engines(policy, cfg, proposers, ks)
+    engines = _engines(policy, cfg, proposers, pks)
     ids = iter(range(10**9))
     last, loop = {}, collections.defaultdict(lambda: np.zeros(2))  # (decode_s, rounds)
     compiles = collections.Counter()
@@ -183,7 +187,7 @@ def main(argv=None) -> dict:
         rows.append({"case": f"B={B}", "system": name, "metric": "speedup_vs_ar",
                      "value": res["ratio"][name]})
     for p in proposers:
-      sp = {k: res["ratio"][f"{p}_k{k}"] for k in ks}
+      sp = {k: res["ratio"][f"{p}_k{k}"] for k in pks[p]}
       curves[(B, p)] = sp
       best_k = max(sp, key=sp.get)
       summary[f"sd_{p}_vs_ar_b{B}"] = sp[best_k]
@@ -193,47 +197,52 @@ def main(argv=None) -> dict:
       summary[f"auto_{p}_k_frac_b{B}"] = _k_fractions(last[f"{p}_auto"])
     for p in (p for p in MODEL_DRAFTERS if p in proposers):
       costs = round_costs({n: float(t / r) for n, (t, r) in loop.items()},
-                          {n: m["acceptance_length"] for n, m in last.items()}, ks, p)
+                          {n: m["acceptance_length"] for n, m in last.items()}, pks[p], p)
       ceilings[(B, p)] = costs["ceiling"]
       for q in costs:
         rows += [{"case": f"B={B}", "system": f"{p}_k{k}",
                   "metric": f"{q}_ar_steps" if q != "ceiling" else "free_draft_ceiling",
-                  "value": costs[q][k]} for k in ks]
+                  "value": costs[q][k]} for k in pks[p]]
       best_k = summary[f"sd_{p}_best_k_b{B}"]
       summary.update({f"{p}_{q}_ar_steps_b{B}": costs[q][best_k]
                       for q in ("round", "verify", "draft", "step")})
       summary[f"{p}_free_draft_ceiling_b{B}"] = costs["ceiling"][best_k]
-      summary[f"{p}_acceptance_length_k4_b{B}"] = last.get(f"{p}_k4", {}).get(
-          "acceptance_length")
+      summary[f"{p}_acceptance_length_b{B}"] = {k: last[f"{p}_k{k}"]["acceptance_length"]
+                                                for k in pks[p]}
     if B == 1:
       summary.update(_hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks,
                                engines, run, rows))
+    # Every engine compiles its own programs; dropping this batch size's keeps the
+    # process under the kernel's limit on memory maps (the JIT maps each executable).
+    del engines
+    jax.clear_caches()
 
-  drain_rows, drain_summary = _draining(policy, tokenizer, proposers, ks, reps, args.quick,
+  drain_rows, drain_summary = _draining(policy, tokenizer, proposers, pks, reps, args.quick,
                                         max_new)
   rows += drain_rows
   summary.update(drain_summary)
   common.print_table(rows, ["case", "system", "metric", "value"])
   print("\nsummary:", {k: round(v, 3) if isinstance(v, float) else v for k, v in summary.items()})
   result = common.write_results(args.out, "spec", args.quick, summary, rows)
-  _plot(curves, ceilings, ks, args.out)
+  _plot(curves, ceilings, args.out)
   return result
 
 
-def _engines(policy, cfg, proposers: dict, ks) -> dict:
-  """``ar``, ``{proposer}_k{K}`` for every fixed ``K`` and ``{proposer}_auto`` (the
-  adaptive controller up to ``max(ks)``), all on ``cfg``'s shape."""
+def _engines(policy, cfg, proposers: dict, pks: dict) -> dict:
+  """``ar``, ``{proposer}_k{K}`` for every fixed ``K`` in ``pks[proposer]`` and
+  ``{proposer}_auto`` (the adaptive controller up to the largest), all on ``cfg``'s
+  shape."""
   import dataclasses
   from spec_rl_jax.rollout.engine import RolloutEngine
   from spec_rl_jax.spec.adaptive import AdaptiveK
   engines = {"ar": RolloutEngine(policy, cfg)}
   for p, make in proposers.items():
-    for k in ks:
+    for k in pks[p]:
       engines[f"{p}_k{k}"] = RolloutEngine(
           policy, dataclasses.replace(cfg, max_draft_tokens=k), proposer=make())
     engines[f"{p}_auto"] = RolloutEngine(
-        policy, dataclasses.replace(cfg, max_draft_tokens=max(ks)), proposer=make(),
-        controller=AdaptiveK(max(ks)))
+        policy, dataclasses.replace(cfg, max_draft_tokens=max(pks[p])), proposer=make(),
+        controller=AdaptiveK(max(pks[p])))
   return engines
 
 
@@ -243,7 +252,7 @@ def _k_fractions(metrics: dict) -> dict[int, float]:
   return {k: v / total for k, v in sorted(metrics["rounds_at_k"].items())}
 
 
-def _draining(policy, tokenizer, proposers, ks, reps, quick, max_new) -> tuple[list, dict]:
+def _draining(policy, tokenizer, proposers, pks, reps, quick, max_new) -> tuple[list, dict]:
   """A rollout batch that drains as an RL step's does: ``S`` slots, ``2S`` requests with
   long-tailed response lengths (lognormal, median 40 tokens, clipped to 8..max_new; EOS
   off, so each response has its drawn length) and the trainer's round budget (64). AR,
@@ -254,11 +263,12 @@ def _draining(policy, tokenizer, proposers, ks, reps, quick, max_new) -> tuple[l
   rng = np.random.default_rng(0)
   lengths = np.clip(np.round(rng.lognormal(np.log(40), 0.8, 2 * S)), 8, max_new).astype(int)
   prompts = _prompts(tokenizer, 2 * S)
-  max_seq = -(-(max(map(len, prompts)) + max_new + max(ks)) // 16) * 16
+  K = max(max(v) for v in pks.values())
+  max_seq = -(-(max(map(len, prompts)) + max_new + K) // 16) * 16
   cfg = EngineConfig(num_slots=S, page_size=16, num_pages=S * max_seq // 16,
                      max_seq_len=max_seq, max_new_tokens=max_new, round_budget=64,
                      sampling=SamplingParams(temperature=1.0))
-  engines = _engines(policy, cfg, proposers, ks)
+  engines = _engines(policy, cfg, proposers, pks)
   ids = iter(range(10**9))
   last, compiles = {}, collections.Counter()
 
@@ -288,7 +298,7 @@ def _draining(policy, tokenizer, proposers, ks, reps, quick, max_new) -> tuple[l
            for n in engines]
   summary = {}
   for p in proposers:
-    fixed = {k: res["ratio"][f"{p}_k{k}"] for k in ks}
+    fixed = {k: res["ratio"][f"{p}_k{k}"] for k in pks[p]}
     best = max(fixed, key=fixed.get)
     auto = res["ratio"][f"{p}_auto"]
     summary.update({f"drain_auto_{p}_vs_ar": auto, f"drain_{p}_best_fixed_k": best,
@@ -339,12 +349,13 @@ def _hf_peers(policy_dir, draft_dir, prompts, max_new, reps, ks, engines, run, r
               res["rate"]["hf_prompt_lookup"] / res["rate"]["hf_plain"]}
 
 
-def _plot(curves, ceilings, ks, out) -> None:
+def _plot(curves, ceilings, out) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(8.5, 4))
   for (B, p), sp in sorted(curves.items()):
+    ks = sorted(sp)
     line, = ax.plot(ks, [sp[k] for k in ks], marker="o", label=f"{p}, B={B}")
     if (B, p) in ceilings:
       ax.plot(ks, [ceilings[(B, p)][k] for k in ks], ls="--", color=line.get_color(),

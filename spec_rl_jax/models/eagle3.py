@@ -19,9 +19,11 @@ The layer (``midlayer``), with its own KV cache:
   logits_j = lm_head(norm(a_j))   over the draft vocabulary of ``Vd`` tokens
 
 Draft token ``d`` is policy token ``d + d2t[d]`` (``d2t`` holds offsets, as the public
-checkpoints do); with ``Vd = V`` the map is the identity. A key at position ``j``
-depends only on ``(t_j, g_{j-1})``, so the cache of true positions is filled by
-projections alone (`Eagle3Head.write`), without attention or MLP.
+checkpoints do); with ``Vd = V`` the map is the identity. The pair ``(t_j, g_{j-1})``
+sits at the head's position ``j - 1`` (RoPE angle and cache row), as in the serving
+stacks: token 0 has no pair and no key. A key depends only on its pair, so the cache of
+true positions is filled by projections alone (`Eagle3Head.write`), without attention
+or MLP.
 
 Shape legend: ``B`` batch (slots), ``T`` tokens, ``D`` embed dim, ``H`` heads, ``Hk`` KV
 heads, ``Dh`` head dim, ``V`` policy vocab, ``Vd`` draft vocab, ``h`` feature layers.
@@ -265,19 +267,21 @@ def training_time_test(head: Eagle3Head, e: jax.Array, hidden: jax.Array, valid:
 
   ``e [B, T, D]``: the policy's embeddings of the tokens; ``hidden [3, B, T, D]``: the
   policy's features (outputs of ``cfg.hidden_layers``); ``valid [B, T]``: real tokens
-  (right padding). Row ``s`` at position ``j`` is draft step ``s`` of the round that
+  (right padding). Row ``s`` at token ``j`` is draft step ``s`` of the round that
   started at ``p = j - s`` with the tokens ``t_{p..j}``: step 0 reads the policy's feature
   ``g_{j-1}``, step ``s`` the step ``s - 1`` output ``a^{s-1}_{j-1}``; its query sees the
-  keys of step 0 at positions ``<= p`` and of steps ``r = 1..s`` at ``p + r`` (the cache
-  at drafting time). It predicts ``t_{j+1}`` (meaningful for ``j >= s``).
+  keys of step 0 for tokens ``1..p`` and of steps ``r = 1..s`` for ``p + r`` (the cache
+  at drafting time). It predicts ``t_{j+1}`` (meaningful for ``1 <= j``, ``s <= j``).
   """
   B, T, D = e.shape
   Hk, Dh = head.cfg.num_kv_heads, head.cfg.head_dim
   G = head.cfg.num_heads // Hk
-  positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+  positions = jnp.broadcast_to(jnp.arange(T) - 1, (B, T))  # token j's pair at j - 1
   g = _shift(head.fuse(hidden))
   idx = jnp.arange(T)
-  mask0 = (idx[None, :, None] >= idx[None, None, :]) & valid[:, None, :]  # [B, Tq, Tk]
+  # Step-0 keys of tokens 1..j (token 0 has no pair), real ones only.
+  mask0 = ((idx[None, :, None] >= idx[None, None, :]) & (idx[None, None, :] >= 1)
+           & valid[:, None, :])  # [B, Tq, Tk]
   keys, values, outs = [], [], []
   for s in range(steps):
     q, k, v = head.midlayer.qkv(e, g, positions)

@@ -90,9 +90,11 @@ class MTPConfig:
   def check_policy(self, policy: ModelConfig, fingerprint: str | None = None) -> None:
     """Raises unless these heads were made for ``policy`` (and, when both are known, the
     policy with ``fingerprint``)."""
+    # The modules' rows and scan carries hold the policy's hidden states: one dtype.
     want = {"hidden size": (self.policy.embed_dim, policy.embed_dim),
             "layer count": (self.policy.num_layers, policy.num_layers),
-            "vocabulary": (self.policy.vocab_size, policy.vocab_size)}
+            "vocabulary": (self.policy.vocab_size, policy.vocab_size),
+            "dtype": (self.policy.param_dtype, policy.param_dtype)}
     bad = {k: v for k, v in want.items() if v[0] != v[1]}
     if bad:
       raise ValueError("the MTP heads were trained for another policy: " + ", ".join(

@@ -243,10 +243,12 @@ class DevicePrograms:
 
   def _recompute_insert(self, weights, draft_weights, state: SlotState, slot, tokens, lens,
                         pages, row) -> SlotState:
-    """Restores a dropped sequence: re-prefills its ``lens`` tokens, then its row."""
+    """Restores a dropped sequence: its row, then a re-prefill of its ``lens`` tokens
+    (which rewrites the proposer's rows from the sequence, as at admission)."""
+    state = self._set_row(state, slot, row)
     _, cache, proposer_state = self._write_tokens(weights, draft_weights, state, slot[None],
                                                   tokens, lens, pages)
-    return self._set_row(state.replace(cache=cache, proposer=proposer_state), slot, row)
+    return state.replace(cache=cache, proposer=proposer_state)
 
   # ---------------------------------------------------------------- preemption
 

@@ -69,7 +69,7 @@ class RolloutEngine:
       raise ValueError("max_draft_tokens > 0 needs a proposer, and a proposer needs"
                        f" max_draft_tokens > 0 (got K_max={K})")
     if proposer is not None:
-      self._check_proposer(proposer, model)
+      self._check_proposer(proposer, model, K)
     if tokenizer is not None:
       check_vocab(tokenizer, model.cfg.vocab_size)
     self.controller = controller if controller is not None else FixedK(K)
@@ -102,7 +102,10 @@ class RolloutEngine:
 
   # ------------------------------------------------------------------ weights
 
-  def _check_proposer(self, proposer: Proposer, model: Decoder) -> None:
+  def _check_proposer(self, proposer: Proposer, model: Decoder, K: int) -> None:
+    if proposer.draft_limit is not None and K > proposer.draft_limit:
+      raise ValueError(f"the {proposer.name} proposer drafts at most {proposer.draft_limit}"
+                       f" tokens per round; max_draft_tokens is {K}")
     L = model.cfg.num_layers
     bad = [i for i in proposer.hidden_layers if not 0 <= i < L]
     if bad:

@@ -134,6 +134,11 @@ class Proposer:
   # ---------------------------------------------------------------- weights
 
   @property
+  def draft_limit(self) -> int | None:
+    """The most drafts one round can take (None: any ``K``)."""
+    return None
+
+  @property
   def vocab_size(self) -> int | None:
     """Vocabulary of the drafts (None: the policy's own)."""
     return None

@@ -1,17 +1,18 @@
 """``eagle3``: a one-layer head that drafts from the policy's own features (EAGLE-3).
 
 The head (models/eagle3.py) has its own one-layer paged KV cache, sharing the policy's
-page table. Its key at position ``j`` is a projection of ``(t_j, g_{j-1})``; at true
-positions ``g`` is the fused policy feature, so those keys are written by projections
-alone (`Eagle3Head.write`). Per slot (``S`` slots, ``k`` drafts, ``D`` model dim):
+page table. Token ``j``'s key, at the head's position ``j - 1``, is a projection of
+``(t_j, g_{j-1})``; at true positions ``g`` is the fused policy feature, so those keys
+are written by projections alone (`Eagle3Head.write`). Per slot (``S`` slots, ``k``
+drafts, ``D`` model dim):
 
-  prefill   keys of the prompt's positions (``g_{-1} = 0``); ``rows["feat"]`` =
+  prefill   keys of the prompt's tokens 1.. (token 0 has no pair); ``rows["feat"]`` =
             ``g_{length-1}``, the fused feature of the last prompt token.
-  propose   step 0 runs the layer on ``(last, rows["feat"])`` at ``length``: its output
-            ``a_length`` gives ``q_1``; step ``i`` feeds ``(x_i, a_{length+i-1})`` at
-            ``length + i``, the head's own output in place of the policy's feature.
+  propose   step 0 runs the layer on ``(last, rows["feat"])`` (token ``length``): its
+            output ``a_length`` gives ``q_1``; step ``i`` feeds ``(x_i, a_{length+i-1})``
+            (token ``length + i``), the head's own output in place of the policy's.
   observe   the verification returned the policy's features at ``length + i``
-            (``i = 0..k``): keys of positions ``length + 1 .. length + k`` are rewritten
+            (``i = 0..k``): keys of tokens ``length + 1 .. length + k`` are rewritten
             from them (drafted keys replaced by true ones where accepted; past the new
             length they are overwritten later) and ``rows["feat"] = g_{new length - 1}``.
 
@@ -106,8 +107,8 @@ class Eagle3Proposer(Proposer):
     head, embed = self._head_and_embed(weights, batch.target_weights)
     g = head.fuse(batch.hidden)  # [n, T, D]
     prev = jnp.concatenate([jnp.zeros_like(g[:, :1]), g[:, :-1]], 1)
-    prev = jnp.where(batch.positions[..., None] > 0, prev, 0)  # position 0: no feature
-    cache = head.write(embed(batch.tokens), prev, batch.positions,
+    # Token j's pair at j - 1: token 0 (and padding) lands at a negative position, dropped.
+    cache = head.write(embed(batch.tokens), prev, batch.positions - 1,
                        PagedKVCache(state.pools, batch.pages))
     feat = state.rows["feat"].at[batch.slots].set(g[:, -1], mode="drop")
     return state.replace(pools=cache.layers, rows={"feat": feat})
@@ -117,8 +118,9 @@ class Eagle3Proposer(Proposer):
     head, embed = self._head_and_embed(weights, ctx.target_weights)
 
     def layer(tokens, g, pos, pools):
-      """``tokens [S]``, ``g [S, D]`` at ``pos [S]`` → ``(a [S, D], pools)``."""
-      p = jnp.where(ctx.active, pos, -1)[:, None]
+      """Tokens ``tokens [S]`` at ``pos [S]`` with features ``g [S, D]`` → ``(a [S, D],
+      pools)``."""
+      p = jnp.where(ctx.active, pos - 1, -1)[:, None]  # token j's pair at j - 1
       a, cache = head(embed(tokens)[:, None], g[:, None], p,
                       PagedKVCache(pools, ctx.page_table))
       return a[:, 0], cache.layers
@@ -138,7 +140,8 @@ class Eagle3Proposer(Proposer):
     fb = feedback
     head, embed = self._head_and_embed(weights, fb.target_weights)
     g = head.fuse(fb.hidden)  # [S, k+1, D]: features at length + i
-    cache = head.write(embed(fb.inputs[:, 1:]), g[:, :-1], fb.positions[:, 1:],
+    pos = jnp.where(fb.positions[:, 1:] >= 0, fb.positions[:, 1:] - 1, -1)  # pairs at j - 1
+    cache = head.write(embed(fb.inputs[:, 1:]), g[:, :-1], pos,
                        PagedKVCache(state.pools, fb.page_table))
     last = jnp.take_along_axis(g, jnp.maximum(fb.num_emitted - 1, 0)[:, None, None], 1)[:, 0]
     feat = jnp.where((fb.num_emitted > 0)[:, None], last, state.rows["feat"])

@@ -97,13 +97,15 @@ class MTPProposer(Proposer):
       raise ValueError("set_model needs MTP heads with the same MTPConfig")
     self._heads = model
 
+  @property
+  def draft_limit(self) -> int:
+    """One draft per module."""
+    return self.mtp_config.num_modules
+
   # ---------------------------------------------------------------- device side
 
   def init_state(self, engine_config) -> ProposerState:
     c, Dm = engine_config, self.mtp_config.num_modules
-    if c.max_draft_tokens > Dm:
-      raise ValueError(f"the mtp proposer drafts one token per module: max_draft_tokens"
-                       f" {c.max_draft_tokens} > num_modules {Dm}")
     pcfg = self.mtp_config.policy
     cache = PagedKVCache.init(self.mtp_config.pool_config(), 1, c.num_pages, c.page_size, 1)
     return ProposerState(pools=cache.layers,
