@@ -43,6 +43,11 @@ def cache_dir() -> str:
   return os.path.expanduser(os.environ.get("SPEC_RL_JAX_CACHE", "~/.cache/spec_rl_jax"))
 
 
+def resolve_path(path: str) -> str:
+  """Absolute paths as given; relative ones under the cache (the default models)."""
+  return path if os.path.isabs(path) else os.path.join(cache_dir(), path)
+
+
 def config_to_json(cfg: ModelConfig) -> dict:
   return dataclasses.asdict(cfg)
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -203,7 +202,7 @@ class Trainee:
 def load_policy(path: str, tokenizer: Tokenizer) -> Decoder:
   """The frozen policy at ``path`` (under the cache unless absolute); its tokenizer must
   be the run's."""
-  path = path if os.path.isabs(path) else os.path.join(checkpoint.cache_dir(), path)
+  path = checkpoint.resolve_path(path)
   policy, tok = checkpoint.load_model(path)
   if tok is not None and tok.backend.to_str() != tokenizer.backend.to_str():
     raise ValueError(f"policy {path} uses a different tokenizer than the run")

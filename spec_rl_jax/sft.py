@@ -236,6 +236,11 @@ def _head_trainee(cfg: SFTConfig, tokenizer: Tokenizer,
                   tx: optax.GradientTransformation) -> head_sft.Trainee:
   if cfg.teacher is None:
     raise ValueError(f"a {cfg.head} head trains against a policy: set teacher")
+  decoder_only = {"model_overrides": (), "init": None, "distill_weight": 0.0}
+  set_ = sorted(k for k, v in decoder_only.items() if getattr(cfg, k) != v)
+  if set_:
+    raise ValueError(f"{set_} configure a decoder's SFT; a {cfg.head} head is shaped by its"
+                     " policy and head_options")
   options = head_sft.parse_options(cfg.head, cfg.head_options)
   policy = head_sft.load_policy(cfg.teacher, tokenizer)
   return head_sft.trainee(cfg.head, options, policy, tokenizer, cfg.seed, tx)
@@ -276,7 +281,8 @@ def train(cfg: SFTConfig, run_dir: str, tokenizer: Tokenizer,
       metrics["tokens_per_s"] = tokens / (time.perf_counter() - t0)
       for k, v in metrics.items():
         writer.add_scalar(f"train/{k}", v, done)
-      bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+      bar.set_postfix({k: f"{metrics[k]:.3f}" for k in ("loss", "token_acc", "top1_agreement")
+                       if k in metrics})
     if done % cfg.ckpt_every == 0 or done == cfg.steps:
       ckpt.save(done, state, batches, meta)
   ckpt.wait()
@@ -371,7 +377,7 @@ def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = 
       accuracy = (evaluation.evaluate_model(model, tokenizer, sources, n=eval_n, k=4)
                   if eval_n else {})
     report["models"][name] = {
-        **info, "preset": cfg.model, "data": [s.describe() for s in sources],
+        **info, "preset": cfg.head or cfg.model, "data": [s.describe() for s in sources],
         "recipe": _recipe(TARGETS[name]), "config": _recipe(cfg),
         "final_train_metrics": metrics, "accuracy": accuracy,
         "eval_s": time.perf_counter() - t_eval}

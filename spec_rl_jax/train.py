@@ -70,18 +70,14 @@ class NonFiniteLossError(RuntimeError):
   """Too many non-finite updates in a row (``learner.max_nan_streak``)."""
 
 
-def resolve_path(path: str) -> str:
-  """Absolute paths as given; relative ones under the cache (the default models)."""
-  return path if os.path.isabs(path) else os.path.join(checkpoint.cache_dir(), path)
-
-
 def ensure_default_models(cfg: TrainConfig) -> None:
   """Trains the built-in defaults into the cache on first use (``python -m
   spec_rl_jax.sft``), so the no-argument run works on a fresh machine."""
   wanted = [cfg.policy.path]
   if cfg.drafter.k_max and hasattr(cfg.drafter.options, "path"):  # a drafter with weights
     wanted.append(cfg.drafter.options.path)
-  missing = [p for p in wanted if p in sft.TARGETS and not os.path.exists(resolve_path(p))]
+  missing = [p for p in wanted
+             if p in sft.TARGETS and not os.path.exists(checkpoint.resolve_path(p))]
   stale = sft.stale_targets([p for p in wanted if p in sft.TARGETS and p not in missing])
   if missing or stale:
     print(f"default models {missing + stale} not in {checkpoint.cache_dir()}"
@@ -141,7 +137,7 @@ class Trainer:
     self.T = r.max_prompt_len + r.max_new_tokens
     self.mesh = sharding.make_mesh(cfg.policy.mesh)
     ensure_default_models(cfg)
-    policy, tokenizer = checkpoint.load_model(resolve_path(cfg.policy.path))
+    policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path))
     if tokenizer is None:
       raise ValueError(f"{cfg.policy.path} has no tokenizer")
     # Saved before the first step, so every run directory (even a killed one) is a

@@ -87,6 +87,8 @@ def test_bad_head_recipes_are_refused(tok, cache, monkeypatch, tmp_path):
   with pytest.raises(ValueError, match="set teacher"):
     sft.train(dataclasses.replace(HEAD, teacher=None), str(tmp_path / "a"), tok,
               progress=False)
+  with pytest.raises(ValueError, match="'init'. configure a decoder's SFT"):
+    sft.train(dataclasses.replace(HEAD, init="pol"), str(tmp_path / "c"), tok, progress=False)
   with pytest.raises(ValueError, match="out of range"):
     sft.train(dataclasses.replace(HEAD, head_options=(("feature_layers", (1, 2, 3)),)),
               str(tmp_path / "b"), tok, progress=False)

@@ -197,12 +197,13 @@ class Eagle3Head(nnx.Module):
     ``g [B, T, D]``."""
     return project(jnp.concatenate(list(hidden), -1).astype(self.fc.dtype), self.fc)
 
-  def __call__(self, e, g, positions, cache, impl: str = "xla"):
+  def __call__(self, e, g, positions, cache):
     """One layer over ``e, g [B,T,D]`` at ``positions [B,T]`` with the attention context
     ``cache`` (models/attention.py; its ``layers`` have one layer) → ``(a [B,T,D],
     cache)``."""
     q, k, v = self.midlayer.qkv(e, g, positions)
-    out, layers = cache.attend(attention.get_impl(impl), cache.layers, 0, q, k, v, positions)
+    impl = attention.get_impl(self.cfg.layer_config().attention_impl)
+    out, layers = cache.attend(impl, cache.layers, 0, q, k, v, positions)
     return self.midlayer.finish(g, out), cache.replace(layers=layers)
 
   def write(self, e, g, positions, cache):

@@ -33,10 +33,10 @@ Checkpoint (`save_mtp` / `load_mtp`): ``mtp.safetensors`` with DeepSeek-V3's nam
 the modules numbered as extra layers after the policy's ``L``: module ``d`` is
 ``model.layers.{L+d-1}.{enorm,hnorm,eh_proj,shared_head.norm}.weight`` plus the block's
 Llama / Qwen3 tensor names (models/hf_io.py), and ``mtp_config.json``: the policy's HF
-``config.json`` with ``num_nextn_predict_layers = D_m`` and ``policy_fingerprint``. The
-names are those of DeepSeek-V3's README_WEIGHTS.md and of vLLM's reader
-(``deepseek_mtp.py``); DeepSeek's checkpoints also carry per-module copies of the shared
-``embed_tokens`` and ``shared_head.head``, which are not written (the policy's are read).
+``config.json`` with ``num_nextn_predict_layers = D_m`` and ``policy_fingerprint``, as
+DeepSeek-V3 publishes its MTP module and vLLM reads it. DeepSeek's checkpoints also carry
+per-module copies of the shared ``embed_tokens`` and ``shared_head.head``, which are not
+written (the policy's are read).
 
 Shape legend: ``B`` batch (slots), ``T`` tokens, ``D`` embed dim, ``V`` vocab, ``D_m``
 modules, ``L`` policy layers.

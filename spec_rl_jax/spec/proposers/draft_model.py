@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax.numpy as jnp
 from flax import nnx
@@ -73,8 +72,7 @@ class DraftModelProposer(Proposer):
   @classmethod
   def build(cls, config: DraftModelConfig, policy, tokenizer=None, mesh=None):
     del policy, mesh  # the engine places the weights on the policy's mesh
-    path = config.path if os.path.isabs(config.path) else os.path.join(
-        checkpoint.cache_dir(), config.path)
+    path = checkpoint.resolve_path(config.path)
     draft, draft_tok = checkpoint.load_model(path)
     return cls(config, draft, draft_tok, tokenizer)
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -69,8 +68,7 @@ class Eagle3Proposer(Proposer):
   def build(cls, config: Eagle3ProposerConfig, policy, tokenizer=None, mesh=None):
     from spec_rl_jax.models import eagle3_io  # noqa: PLC0415 (safetensors reader)
     del mesh  # the engine places the weights on the policy's mesh
-    path = config.path if os.path.isabs(config.path) else os.path.join(
-        checkpoint.cache_dir(), config.path)
+    path = checkpoint.resolve_path(config.path)
     head = eagle3_io.load_eagle3(path, policy.cfg)
     vocab = tokenizer.backend.get_vocab() if tokenizer is not None else None
     return cls(config, head, policy, vocab)

@@ -38,7 +38,6 @@ vocab, ``B`` prefill batch, ``T`` prefill length.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -83,8 +82,7 @@ class MTPProposer(Proposer):
   @classmethod
   def build(cls, config: MTPProposerConfig, policy, tokenizer=None, mesh=None):
     del mesh  # the engine places the weights on the policy's mesh
-    path = config.path if os.path.isabs(config.path) else os.path.join(
-        checkpoint.cache_dir(), config.path)
+    path = checkpoint.resolve_path(config.path)
     fingerprint = (policy_fingerprint(policy.cfg, tokenizer.backend.get_vocab())
                    if tokenizer is not None else None)
     return cls(config, mtp.load_mtp(path, policy.cfg, fingerprint), policy, fingerprint)
