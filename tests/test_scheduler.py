@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from spec_rl_jax.models import hf_io
+from spec_rl_jax.models import eagle3, hf_io, mtp
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.paged_cache import PagePool
 from spec_rl_jax.rollout.scheduler import Scheduler, SchedulerConfig, SeqState
@@ -16,6 +16,8 @@ from spec_rl_jax.sampling import SamplingParams
 from spec_rl_jax.rollout import buckets
 from spec_rl_jax.rollout.scheduler import Scheduler as _Scheduler
 from spec_rl_jax.spec.proposers.draft_model import DraftModelConfig, DraftModelProposer
+from spec_rl_jax.spec.proposers.eagle3 import Eagle3Proposer, Eagle3ProposerConfig
+from spec_rl_jax.spec.proposers.mtp import MTPProposer, MTPProposerConfig
 from tests import hf_fixtures
 
 V = 96
@@ -310,3 +312,31 @@ def test_schedule_replay_reproduces_the_engine(target, policy):
     assert got["moved_pages"] * engine.page_bytes() == m["offload_bytes"] + m["restore_bytes"]
     assert got["slot_utilization"] == pytest.approx(m["slot_utilization"])
     history += list(got["finished_lengths"])
+
+
+def _head_proposer(target, name):
+  """A random Eagle3 head or two MTP modules for ``target``."""
+  if name == "eagle3":
+    head = eagle3.init_head(eagle3.Eagle3Config.for_policy(target.cfg, (1, 1, 1)), seed=5)
+    return Eagle3Proposer(Eagle3ProposerConfig(), head, target)
+  heads = mtp.init_heads(mtp.MTPConfig(2, target.cfg), seed=5)
+  return MTPProposer(MTPProposerConfig(), heads, target)
+
+
+@pytest.mark.parametrize("name,recompute", [
+    ("eagle3", 10_000), pytest.param("eagle3", 0, marks=pytest.mark.slow),
+    pytest.param("mtp", 10_000, marks=pytest.mark.slow),
+    pytest.param("mtp", 0, marks=pytest.mark.slow)])
+def test_draft_heads_resume_their_state_after_preemption(target, name, recompute):
+  """Draft heads keep per-slot rows and their own KV pools: a preempted sequence
+  (recomputed, or offloaded) drafts exactly as it would have uninterrupted, so every
+  draft is accepted or rejected as with room for all (same random draws per position)."""
+  reqs = _requests(seed=4)
+  free = _engine(target, 400, SAMPLED, K=2, proposer=_head_proposer(target, name))
+  free = free.generate(reqs)
+  tight = _engine(target, 26, SAMPLED, K=2, proposer=_head_proposer(target, name),
+                  recompute_max_tokens=recompute, grow_tokens=16).generate(reqs)
+  _same(free, tight)
+  mode = "recomputes" if recompute else "offloads"
+  assert tight.metrics[mode] == tight.metrics["preemptions"] > 0
+  assert tight.metrics["accepted_tokens"] == free.metrics["accepted_tokens"] > 0
