@@ -14,6 +14,7 @@ from spec_rl_jax.models.transformer import Weights, init_decoder
 from spec_rl_jax.rollout.engine import RolloutEngine
 from spec_rl_jax.rollout.types import EngineConfig, Request
 from spec_rl_jax.sampling import SamplingParams
+from spec_rl_jax.spec import verifier
 from spec_rl_jax.spec.proposers import DraftContext, Feedback, PrefillBatch
 from spec_rl_jax.spec.proposers.eagle3 import Eagle3Proposer, Eagle3ProposerConfig
 from tests import test_spec_exactness as exactness
@@ -137,6 +138,18 @@ def test_sampled_sd_is_exact(temperature, top_k, top_p):
   assert fit["chi2"] < fit["chi2_max"] and fit["tv"] < fit["tv_max"], fit
   m = res.metrics
   assert 0 < m["accepted_tokens"] < m["drafted_tokens"]
+
+
+@pytest.mark.slow
+def test_broken_sampler_is_detected_with_eagle3_drafts(monkeypatch):
+  """The control for the test above: skipping the residual correction is caught."""
+  monkeypatch.setattr(verifier, "residual_distribution", lambda p, q: p)
+  target = exactness._target()
+  params = SamplingParams(temperature=1.0)
+  res = exactness._sample(target, _exactness_proposer(target), params,
+                          n=exactness.N_SAMPLES * 3 // 10)
+  fit = exactness._fit(target, params, res)
+  assert fit["chi2"] > fit["chi2_max"] and fit["tv"] > fit["tv_max"], fit
 
 
 def test_heads_for_another_policy_are_refused(policy):

@@ -256,7 +256,8 @@ def _draining(policy, tokenizer, proposers, pks, reps, quick, max_new) -> tuple[
   """A rollout batch that drains as an RL step's does: ``S`` slots, ``2S`` requests with
   long-tailed response lengths (lognormal, median 40 tokens, clipped to 8..max_new; EOS
   off, so each response has its drawn length) and the trainer's round budget (64). AR,
-  every fixed K and ``auto`` per proposer, alternated; rollout seconds compared."""
+  every fixed K and ``auto`` per proposer, alternated with AR proposer by proposer;
+  rollout seconds compared."""
   from spec_rl_jax.rollout.types import EngineConfig, Request
   from spec_rl_jax.sampling import SamplingParams
   S = 16 if quick else 64
@@ -268,7 +269,6 @@ def _draining(policy, tokenizer, proposers, pks, reps, quick, max_new) -> tuple[
   cfg = EngineConfig(num_slots=S, page_size=16, num_pages=S * max_seq // 16,
                      max_seq_len=max_seq, max_new_tokens=max_new, round_budget=64,
                      sampling=SamplingParams(temperature=1.0))
-  engines = _engines(policy, cfg, proposers, pks)
   ids = iter(range(10**9))
   last, compiles = {}, collections.Counter()
 
@@ -284,20 +284,25 @@ def _draining(policy, tokenizer, proposers, pks, reps, quick, max_new) -> tuple[
   case = f"drain S={S}"
   print(f"{case}: {2 * S} requests, response lengths median {int(np.median(lengths))},"
         f" max {lengths.max()}", flush=True)
-  for name, engine in engines.items():
-    for _ in range(WARMUP_AUTO if name.endswith("_auto") else 1):
-      run(name, engine)()
-  compiles.clear()
-  res = common.alternate({n: run(n, e) for n, e in engines.items()}, reps=reps, warmup=0,
-                         baseline="ar")
-  rows = [{"case": case, "system": n, "metric": "speedup_vs_ar", "value": res["ratio"][n]}
-          for n in engines]
-  rows += [{"case": case, "system": n, "metric": "compiles_in_timed_runs",
-            "value": compiles[n]} for n in engines]
-  rows += [{"case": case, "system": n, "metric": "tokens_per_s", "value": res["rate"][n]}
-           for n in engines]
-  summary = {}
+  rows, summary = [], {}
+  # One proposer's engines (and AR) at a time, alternated among themselves: all of them
+  # at once would hold more compiled programs than the kernel maps for one process.
   for p in proposers:
+    engines = _engines(policy, cfg, {p: proposers[p]}, pks)
+    for name, engine in engines.items():
+      for _ in range(WARMUP_AUTO if name.endswith("_auto") else 1):
+        run(name, engine)()
+    compiles.clear()
+    res = common.alternate({n: run(n, e) for n, e in engines.items()}, reps=reps, warmup=0,
+                           baseline="ar")
+    for n in engines:
+      system = f"ar (with {p})" if n == "ar" else n
+      rows += [{"case": case, "system": system, "metric": "speedup_vs_ar",
+                "value": res["ratio"][n]},
+               {"case": case, "system": system, "metric": "compiles_in_timed_runs",
+                "value": compiles[n]},
+               {"case": case, "system": system, "metric": "tokens_per_s",
+                "value": res["rate"][n]}]
     fixed = {k: res["ratio"][f"{p}_k{k}"] for k in pks[p]}
     best = max(fixed, key=fixed.get)
     auto = res["ratio"][f"{p}_auto"]
@@ -305,6 +310,8 @@ def _draining(policy, tokenizer, proposers, pks, reps, quick, max_new) -> tuple[
                     f"drain_{p}_best_fixed_vs_ar": fixed[best],
                     f"drain_auto_{p}_vs_best_fixed": auto / fixed[best],
                     f"drain_auto_{p}_k_frac": _k_fractions(last[f"{p}_auto"])})
+    del engines
+    jax.clear_caches()
   return rows, summary
 
 
