@@ -202,7 +202,8 @@ def _exactness_proposer(target):
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), pytest.param(1.0, 0, 0.9, marks=pytest.mark.slow),
+    pytest.param(1.0, 0, 1.0, marks=pytest.mark.slow),
+    pytest.param(1.0, 0, 0.9, marks=pytest.mark.slow),
     pytest.param(0.7, 3, 1.0, marks=pytest.mark.slow)])
 def test_sampled_sd_is_exact(temperature, top_k, top_p):
   target = exactness._target()

@@ -324,7 +324,8 @@ def _head_proposer(target, name):
 
 
 @pytest.mark.parametrize("name,recompute", [
-    ("eagle3", 10_000), pytest.param("eagle3", 0, marks=pytest.mark.slow),
+    pytest.param("eagle3", 10_000, marks=pytest.mark.slow),
+    pytest.param("eagle3", 0, marks=pytest.mark.slow),
     pytest.param("mtp", 10_000, marks=pytest.mark.slow),
     pytest.param("mtp", 0, marks=pytest.mark.slow)])
 def test_draft_heads_resume_their_state_after_preemption(target, name, recompute):

@@ -19,7 +19,8 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", "auto"),
-                                        ("self_sparse", 2), ("eagle3", 2),
+                                        ("self_sparse", 2),
+                                        pytest.param("eagle3", 2, marks=pytest.mark.slow),
                                         pytest.param("mtp", 2, marks=pytest.mark.slow),
                                         ("draft_model", 0)])
 def test_few_steps_each_proposer(models, tmp_path, proposer, K):
