@@ -61,6 +61,20 @@ def policy_fingerprint(policy: ModelConfig, vocab: dict[str, int] | None) -> str
   return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def check_made_for(what: str, side: str, pairs: dict[str, tuple[Any, Any]],
+                   recorded: str, fingerprint: str | None) -> None:
+  """Raises unless each ``pairs[name] = (heads' value, policy's value)`` agrees and, when
+  both are known, the ``recorded`` fingerprint is the policy's ``fingerprint``
+  (``what``: e.g. "the Eagle3 head", ``side``: how the message names the heads)."""
+  bad = {k: v for k, v in pairs.items() if v[0] != v[1]}
+  if bad:
+    raise ValueError(f"{what} was trained for another policy: " + ", ".join(
+        f"{k} {a} ({side}) vs {b} (policy)" for k, (a, b) in bad.items()))
+  if recorded and fingerprint and recorded != fingerprint:
+    raise ValueError(f"{what} was trained for policy fingerprint {recorded}, this"
+                     f" policy's is {fingerprint} (another tokenizer or architecture)")
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Config:
   """The head's hyper-parameters and the policy it reads (``policy_layers``: its ``L``;
@@ -129,17 +143,11 @@ class Eagle3Config:
   def check_policy(self, policy: ModelConfig, fingerprint: str | None = None) -> None:
     """Raises unless this head was made for ``policy`` (and, when both are known, the
     policy with ``fingerprint``)."""
-    want = {"hidden size": (self.embed_dim, policy.embed_dim),
-            "layer count": (self.policy_layers, policy.num_layers),
-            "vocabulary": (self.vocab_size, policy.vocab_size)}
-    bad = {k: v for k, v in want.items() if v[0] != v[1]}
-    if bad:
-      raise ValueError("the Eagle3 head was trained for another policy: " + ", ".join(
-          f"{k} {a} (head) vs {b} (policy)" for k, (a, b) in bad.items()))
-    if self.policy_fingerprint and fingerprint and self.policy_fingerprint != fingerprint:
-      raise ValueError(f"the Eagle3 head was trained for policy fingerprint"
-                       f" {self.policy_fingerprint}, this policy's is {fingerprint}"
-                       " (another tokenizer or architecture)")
+    check_made_for("the Eagle3 head", "head",
+                   {"hidden size": (self.embed_dim, policy.embed_dim),
+                    "layer count": (self.policy_layers, policy.num_layers),
+                    "vocabulary": (self.vocab_size, policy.vocab_size)},
+                   self.policy_fingerprint, fingerprint)
 
 
 class DraftVocab(nnx.Variable):

@@ -57,6 +57,7 @@ from safetensors.numpy import save_file
 
 from spec_rl_jax.models import attention, hf_io
 from spec_rl_jax.models.config import ModelConfig
+from spec_rl_jax.models.eagle3 import check_made_for
 from spec_rl_jax.models.layers import Block, RMSNorm, _param, project, rope_inv_freq
 from spec_rl_jax.rl import losses
 
@@ -91,18 +92,12 @@ class MTPConfig:
     """Raises unless these heads were made for ``policy`` (and, when both are known, the
     policy with ``fingerprint``)."""
     # The modules' rows and scan carries hold the policy's hidden states: one dtype.
-    want = {"hidden size": (self.policy.embed_dim, policy.embed_dim),
-            "layer count": (self.policy.num_layers, policy.num_layers),
-            "vocabulary": (self.policy.vocab_size, policy.vocab_size),
-            "dtype": (self.policy.param_dtype, policy.param_dtype)}
-    bad = {k: v for k, v in want.items() if v[0] != v[1]}
-    if bad:
-      raise ValueError("the MTP heads were trained for another policy: " + ", ".join(
-          f"{k} {a} (heads) vs {b} (policy)" for k, (a, b) in bad.items()))
-    if self.policy_fingerprint and fingerprint and self.policy_fingerprint != fingerprint:
-      raise ValueError(f"the MTP heads were trained for policy fingerprint"
-                       f" {self.policy_fingerprint}, this policy's is {fingerprint}"
-                       " (another tokenizer or architecture)")
+    check_made_for("the MTP heads", "heads",
+                   {"hidden size": (self.policy.embed_dim, policy.embed_dim),
+                    "layer count": (self.policy.num_layers, policy.num_layers),
+                    "vocabulary": (self.policy.vocab_size, policy.vocab_size),
+                    "dtype": (self.policy.param_dtype, policy.param_dtype)},
+                   self.policy_fingerprint, fingerprint)
 
 
 class PolicyTables(NamedTuple):
