@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from spec_rl_jax import data
+from spec_rl_jax.models.config import PRESETS
 from spec_rl_jax.rl.advantages import ADVANTAGES, PAIRED_AGGREGATIONS, default_aggregation
 from spec_rl_jax.spec import proposers
 from spec_rl_jax.rl.losses import (AGGREGATIONS, DISTILL_LOSSES, DRAFT_WEIGHTINGS,
@@ -190,6 +191,9 @@ class LearnerConfig:
   num_minibatches: int = 1  # optimizer steps per global batch
   micro_batch_size: int = 32  # responses per forward/backward (gradient accumulation)
   max_nan_streak: int = 3  # non-finite updates in a row before the run stops
+  # Recompute each layer in the backward pass (policy and trained drafter): the update
+  # then keeps one layer's input per layer instead of all its intermediates.
+  rematerialize: bool = False
 
   def __post_init__(self):
     _check_choice("learner.advantage", self.advantage, ADVANTAGES)
@@ -238,6 +242,27 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanConfig:
+  """What the memory plan (spec_rl_jax/plan.py) reads from the recipe when the
+  checkpoints or the chips are not at hand.
+
+  ``policy_model`` / ``draft_model``: a `models.config` preset naming the architecture
+  of ``policy.path`` / ``drafter.draft_model.path`` (checked against the checkpoint's
+  own config wherever it exists). ``chip``: a key of `plan.CHIPS`, for devices that do
+  not report their memory and for planning away from the hardware.
+  """
+
+  chip: str = ""
+  policy_model: str = ""
+  draft_model: str = ""
+
+  def __post_init__(self):
+    for name in ("policy_model", "draft_model"):
+      if getattr(self, name):
+        _check_choice(f"plan.{name}", getattr(self, name), PRESETS)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """One RL run. ``run_dir`` empty: a fresh ``runs/<timestamp>`` directory."""
 
@@ -250,6 +275,7 @@ class TrainConfig:
   learner: LearnerConfig = LearnerConfig()
   data: DataConfig = DataConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
+  plan: PlanConfig = PlanConfig()
 
 
 class _RecipeLoader(yaml.SafeLoader):

@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from spec_rl_jax import checkpoint, data, sharding, sft
+from spec_rl_jax import checkpoint, data, plan, sharding, sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
 from spec_rl_jax.config import TrainConfig, dump_config, load_config, to_dict
@@ -137,7 +137,9 @@ class Trainer:
     self.T = r.max_prompt_len + r.max_new_tokens
     self.mesh = sharding.make_mesh(cfg.policy.mesh)
     ensure_default_models(cfg)
+    plan.check(cfg)  # a recipe that does not fit the chips stops here, before any weight
     policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path))
+    policy.cfg = policy.cfg.replace(remat=cfg.learner.rematerialize)
     if tokenizer is None:
       raise ValueError(f"{cfg.policy.path} has no tokenizer")
     # Saved before the first step, so every run directory (even a killed one) is a
@@ -180,7 +182,9 @@ class Trainer:
                        f" {self.cfg.drafter.proposer!r} head trains offline (python -m"
                        f" spec_rl_jax.sft --target {self.cfg.drafter.proposer}): set"
                        " drafter.train.every=0")
-    return self.proposer.model()
+    drafter = self.proposer.model()
+    drafter.cfg = drafter.cfg.replace(remat=self.cfg.learner.rematerialize)
+    return drafter
 
   # ------------------------------------------------------------------ checkpoints
 
