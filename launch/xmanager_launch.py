@@ -141,7 +141,7 @@ def main(argv: list[str]) -> None:
   overrides = argv[1:]
   cfg = load_config(_CONFIG.value, overrides)
   chip = plan.CHIPS[check_recipe(cfg, _TPU.value).chip]
-  memory = plan.plan(cfg, chip.usable, chip.name)
+  memory = plan.plan(cfg, chip.usable, chip.label)
   print(memory.table())
   if not memory.fits:
     raise plan.PlanError(memory.error())

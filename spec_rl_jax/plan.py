@@ -81,6 +81,12 @@ class Chip:
   def usable(self) -> int:
     return int(self.memory * self.fraction)
 
+  @property
+  def label(self) -> str:
+    if self.fraction == 1:
+      return self.name
+    return f"{self.name}, {self.fraction:.0%} of its memory for JAX"
+
 
 CHIPS: dict[str, Chip] = {
     "tpu-v4": Chip("TPU v4", 32 * GiB),
@@ -127,7 +133,7 @@ class Plan:
       lines.append("  chip memory unknown (set plan.chip or --chip): not checked")
     else:
       free = self.budget - self.total
-      lines += [f"  {'chip memory':<{width}}{self.capacity / GiB:9.2f} GiB",
+      lines += [f"  {'chip memory for JAX':<{width}}{self.capacity / GiB:9.2f} GiB",
                 f"  {f'usable (less {RESERVE:.0%} reserve)':<{width}}"
                 f"{self.budget / GiB:9.2f} GiB",
                 f"  {'margin' if free >= 0 else 'OVER BY':<{width}}{abs(free) / GiB:9.2f} GiB"
@@ -330,16 +336,19 @@ def update_activation_bytes(cfg: TrainConfig, policy: ModelConfig, draft: ModelC
                             mesh_shape: dict[str, int]) -> tuple[int, int, int]:
   """``(bytes, rows, T)``: one chip's activations in the update of its ``rows`` of a
   micro-batch of width ``T``, with the recipe's remat (and, under remat, one layer's
-  recomputed intermediates, the largest model's)."""
+  recomputed intermediates, of the model with the wider layers)."""
   m, T = cfg.learner.micro_batch_size, cfg.rollout.max_prompt_len + cfg.rollout.max_new_tokens
   rows = m // _ways(sharding.logical_to_spec(("batch",), (m,), mesh_shape)[0], mesh_shape)
   remat = cfg.learner.rematerialize
   local = lambda c: local_config(c, mesh_shape).replace(remat=remat)  # noqa: E731
   total = _update_saved_bytes(cfg, local(policy), draft and local(draft), rows, T)
   if remat:
-    one_layer = lambda c, n: _update_saved_bytes(  # noqa: E731
-        cfg, local(c).replace(num_layers=n, remat=False), None, rows, T)
-    total += max(one_layer(c, 2) - one_layer(c, 1) for c in (policy, draft) if c is not None)
+    # One layer's backward runs at a time, so only the wider model's layer counts.
+    wide = max((c for c in (policy, draft) if c is not None),
+               key=lambda c: (c.embed_dim, c.mlp_dim, c.num_heads * c.head_dim))
+    one_layer = lambda n: _update_saved_bytes(  # noqa: E731
+        cfg, local(wide).replace(num_layers=n, remat=False), None, rows, T)
+    total += one_layer(2) - one_layer(1)
   return total, rows, T
 
 
@@ -418,7 +427,7 @@ def check(cfg: TrainConfig) -> Plan | None:
     result = plan(cfg, limit, f"{jax.local_devices()[0].device_kind}, as its runtime reports")
   elif cfg.plan.chip:
     chip = chip_spec(cfg.plan.chip)
-    result = plan(cfg, chip.usable, chip.name)
+    result = plan(cfg, chip.usable, chip.label)
   else:
     return None
   if not result.fits:
@@ -436,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   cfg = load_config(args.config, args.overrides)
   name = args.chip or cfg.plan.chip
   chip = chip_spec(name) if name else None
-  result = plan(cfg, chip and chip.usable, chip.name if chip else "chip not named")
+  result = plan(cfg, chip and chip.usable, chip.label if chip else "chip not named")
   print(result.table())
   if not result.fits:
     print(result.error().split("\n")[0], file=sys.stderr)
