@@ -444,8 +444,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parser.parse_args(argv)
   cfg = load_config(args.config, args.overrides)
   name = args.chip or cfg.plan.chip
-  chip = chip_spec(name) if name else None
-  result = plan(cfg, chip and chip.usable, chip.label if chip else "chip not named")
+  try:
+    chip = chip_spec(name) if name else None
+    result = plan(cfg, chip and chip.usable, chip.label if chip else "chip not named")
+  except PlanError as e:
+    print(f"plan: {e}", file=sys.stderr)
+    return 2
   print(result.table())
   if not result.fits:
     print(result.error().split("\n")[0], file=sys.stderr)
