@@ -30,9 +30,10 @@ from spec_rl_jax.models.config import PRESETS
 from spec_rl_jax.rl.advantages import ADVANTAGES, PAIRED_AGGREGATIONS, default_aggregation
 from spec_rl_jax.spec import proposers
 from spec_rl_jax.rl.losses import (AGGREGATIONS, DISTILL_LOSSES, DRAFT_WEIGHTINGS,
-                                   POLICY_LOSSES)
+                                   POLICY_LOSSES, get_policy_loss, takes_proximal)
 
 LONG_PROMPT_POLICIES = ("skip", "error")
+RL_MODES = ("sync", "async")
 
 
 class ConfigError(ValueError):
@@ -181,6 +182,8 @@ class LearnerConfig:
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.0  # β; > 0 keeps a frozen reference copy of the initial policy
+  # c in decoupled_ppo's truncated importance weight min(π_prox / π_behav, c)
+  importance_cap: float = 5.0
   adv_eps: float = 1e-6
   lr: float = 5e-5
   warmup_steps: int = 2
@@ -201,6 +204,8 @@ class LearnerConfig:
     if self.aggregation is None:
       object.__setattr__(self, "aggregation", default_aggregation(self.advantage))
     _check_choice("learner.aggregation", self.aggregation, AGGREGATIONS)
+    if not self.importance_cap > 0:
+      raise ConfigError(f"learner.importance_cap must be > 0, got {self.importance_cap}")
     paired = PAIRED_AGGREGATIONS.get(self.advantage)
     if paired is not None and self.aggregation != paired:
       logging.warning("learner.advantage=%s comes with learner.aggregation=%s, but the"
@@ -233,6 +238,29 @@ class DataConfig:
                         " evaluation records (its first data.eval_n=%d) are training data;"
                         " add ?heldout=FRACTION (e.g. jsonl:PATH?heldout=0.05) for a"
                         " disjoint held-out split", i, spec, self.eval_n)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """How rollouts and updates interleave (rl/pipeline.py).
+
+  ``sync``: step t's rollouts come from the policy after t updates (staleness 0).
+  ``async``: step t+1's rollouts are generated while step t's update runs, by the
+  policy of ``max(t + 1 - max_staleness, last barrier)`` updates (a checkpoint or an
+  evaluation step is a barrier); ``max_staleness: 0`` is the sync run, bit for bit.
+  Stale rollouts want ``learner.loss: decoupled_ppo`` (rl/losses.py).
+  """
+
+  mode: str = "sync"
+  max_staleness: int = 0  # N: no token trained on was sampled more than N updates ago
+
+  def __post_init__(self):
+    _check_choice("rl.mode", self.mode, RL_MODES)
+    if self.max_staleness < 0:
+      raise ConfigError(f"rl.max_staleness must be >= 0, got {self.max_staleness}")
+    if self.mode == "sync" and self.max_staleness:
+      raise ConfigError(f"rl.max_staleness={self.max_staleness} needs rl.mode=async (sync"
+                        " rollouts are never stale)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,8 +302,16 @@ class TrainConfig:
   rollout: RolloutConfig = RolloutConfig()
   learner: LearnerConfig = LearnerConfig()
   data: DataConfig = DataConfig()
+  rl: RLConfig = RLConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
   plan: PlanConfig = PlanConfig()
+
+  def __post_init__(self):
+    if self.rl.max_staleness and not takes_proximal(get_policy_loss(self.learner.loss)):
+      logging.warning("rl.max_staleness=%d with learner.loss=%s: stale rollouts are"
+                      " trained on without an off-policy correction (learner.loss="
+                      "decoupled_ppo corrects them)", self.rl.max_staleness,
+                      self.learner.loss)
 
 
 class _RecipeLoader(yaml.SafeLoader):

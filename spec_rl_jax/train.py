@@ -16,6 +16,15 @@ A step t (sync, staleness 0):
   3. update    advantages (rl/advantages.py) → PPO-clip loss on ``log π_old`` = the
                rollout's target logprobs (rl/learner.py) → new weights to the engine.
 
+``rl.mode=async`` (rl/pipeline.py): steps 1-2 run in a rollout thread, ahead of the
+learner, by the weights of ``max(t - rl.max_staleness, last barrier)`` updates (an
+evaluation or a checkpoint is a barrier), while step 3 runs in the learner's thread;
+every token's weights version is recorded and the learner checks the bound on every
+batch. With ``learner.loss=decoupled_ppo`` the update corrects the staleness
+(rl/losses.py). Per step: ``rl/staleness_*`` (histogram, mean, max over responses, of
+their oldest token), ``train/iw_*`` (importance weights) and the rollout side's and
+the learner's busy/idle fractions ``time/{rollout,learner}_{busy,idle}_frac``.
+
 The run directory holds ``config.yaml`` (resolved), ``tokenizer/``, ``metrics.jsonl``,
 ``tb/``, ``ckpt/`` (params, optimizer, draft params, data iterator, counters, the
 engine's proposer's host memory, e.g. the n-gram references; async orbax) and
@@ -35,6 +44,7 @@ was last distilled from (its teacher) and the policy the next rollout samples fr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -55,6 +65,7 @@ from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
 from spec_rl_jax.rl.learner import Learner, pack_rollouts
+from spec_rl_jax.rl.pipeline import PIPELINES, Rollouts, Schedule
 from spec_rl_jax.rl.prompts import prompt_stream
 from spec_rl_jax.rl.rewards import score_batch
 from spec_rl_jax.rollout.engine import RolloutEngine
@@ -164,6 +175,9 @@ class Trainer:
     self.step = 0
     if resume and self.ckpt.latest_step() is not None:
       self._restore()
+    self.pipeline = PIPELINES[cfg.rl.mode](
+        self.engine, self.rollout,
+        Schedule(self.step, cfg.steps, cfg.rl.max_staleness, self._barrier))
 
   def _drafter_to_train(self) -> nnx.Module | None:
     """The proposer's model when ``drafter.train.every > 0`` (clear errors when there is
@@ -233,8 +247,9 @@ class Trainer:
 
   # ------------------------------------------------------------------ one step
 
-  def _prompts(self) -> tuple[list[list[int]], list[dict]]:
-    """The next batch's prompts that fit ``max_prompt_len`` (others: skip or error)."""
+  def _prompts(self, t: int) -> tuple[list[list[int]], list[dict], int]:
+    """Step t's prompts that fit ``max_prompt_len`` (others: skip or error), and how
+    many were skipped."""
     batch = next(self.batches)
     limit, keep = self.cfg.rollout.max_prompt_len, []
     for ids, record in zip(batch["prompt_ids"], batch["records"]):
@@ -245,54 +260,41 @@ class Trainer:
         raise ValueError(f"prompt of {len(ids)} tokens exceeds rollout.max_prompt_len="
                          f"{limit}: {record['prompt'][:80]!r} (set rollout.on_long_prompt"
                          "=skip to drop such prompts)")
-      self.counters.long_prompts_skipped += 1
-      logging.warning("skipping a prompt of %d tokens (rollout.max_prompt_len=%d); %d"
-                      " skipped so far", len(ids), limit, self.counters.long_prompts_skipped)
+      logging.warning("skipping a prompt of %d tokens (rollout.max_prompt_len=%d) at step"
+                      " %d", len(ids), limit, t + 1)
     if not keep:
-      raise ValueError(f"every prompt of step {self.step}'s batch exceeds"
+      raise ValueError(f"every prompt of step {t}'s batch exceeds"
                        f" rollout.max_prompt_len={limit}")
-    return [k[0] for k in keep], [k[1] for k in keep]
+    return [k[0] for k in keep], [k[1] for k in keep], len(batch["prompt_ids"]) - len(keep)
 
-  def train_step(self, bar: tqdm) -> dict:
-    G, t = self.cfg.rollout.group_size, self.step
-    bar.set_description(f"step {t + 1} rollout")
-    prompts, records = self._prompts()
-    B = self.cfg.rollout.prompts_per_step
+  def rollout(self, t: int) -> Rollouts:
+    """Step t's rollouts by the engine's current weights: B prompts × G samples,
+    rewarded, with advantages, packed with each token's staleness against version t
+    (the learner's when it trains on them). Runs in the rollout thread in async mode
+    (rl/pipeline.py)."""
+    G, B = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
+    prompts, records, skipped = self._prompts(t)
     requests = [Request(p, request_id=(t * B + i) * G + g, group_id=t * B + i)
                 for i, p in enumerate(prompts) for g in range(G)]
     t0 = time.perf_counter()
     with CompileCounter() as rollout_compiles:
       result = self.engine.generate(requests)
     t1 = time.perf_counter()
-    bar.set_description(f"step {t + 1} reward")
     texts = [self.tokenizer.decode(r.tokens) for r in result.responses]
     scores = score_batch([rec for rec in records for _ in range(G)], texts,
                          self.cfg.data.default_reward, self.cfg.data.format_weight)
     rewards = scores.reward
     adv = compute_advantages(self.cfg.learner.advantage, rewards.reshape(-1, G),
                              self.cfg.learner.adv_eps)
-    t2 = time.perf_counter()
-    bar.set_description(f"step {t + 1} update")
     batch = pack_rollouts([r.prompt for r in result.responses],
                           [r.tokens for r in result.responses],
                           [r.policy_logprobs for r in result.responses], adv.reshape(-1),
-                          rewards, self.T, self.tokenizer.pad_id)
-    every = self.cfg.drafter.train.every
-    train_draft = bool(every) and t % every == 0
-    with CompileCounter() as update_compiles:
-      learn = self.learner.update(_pad_rows(batch, self.N), train_draft)
-      self.engine.set_weights(self.learner.model(),
-                              self.learner.draft_model() if train_draft else None,
-                              version=self.step + 1)
-      jax.block_until_ready(self.learner.state)
-    t3 = time.perf_counter()
-    self._check_finite(learn)
-    if train_draft:
-      self._check_draft(learn)
-    self.step += 1
+                          rewards, self.T, self.tokenizer.pad_id,
+                          lags=[t - r.policy_versions for r in result.responses])
+    t2 = time.perf_counter()
     lengths = np.asarray([len(r.tokens) for r in result.responses])
     m = result.metrics
-    return {
+    metrics = {
         "rollout/reward_mean": float(rewards.mean()), "rollout/reward_std": float(rewards.std()),
         "rollout/accuracy": float(scores.correct.mean()),
         "rollout/well_formed_frac": float(scores.well_formed.mean()),
@@ -304,20 +306,65 @@ class Trainer:
         "spec/acceptance_length": m["acceptance_length"],
         "spec/acceptance_at": m["acceptance_at"],
         **draft_length_metrics(m, self.cfg.drafter.k_max),
+        "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1,
+        "time/rollout_decode_s": m["decode_s"],  # the device loop; the rest: prefill, host
+        # XLA compile seconds inside the phase (new shapes), included in its time
+        "time/rollout_compile_s": rollout_compiles.seconds,
+    }
+    return Rollouts(t, _pad_rows(batch, self.N), metrics, skipped)
+
+  def train_step(self, bar: tqdm) -> dict:
+    """One step: step t's rollouts from the pipeline, the update, the new weights
+    (version t + 1) handed back. Async mode's barriers (evaluation, checkpoints) are
+    `run`'s."""
+    t = self.step
+    bar.set_description(f"step {t + 1} rollout")
+    t0 = time.perf_counter()
+    rollouts = self.pipeline.get(t)
+    self.counters.long_prompts_skipped += rollouts.long_prompts_skipped
+    staleness = self._check_staleness(rollouts.batch)
+    bar.set_description(f"step {t + 1} update")
+    every = self.cfg.drafter.train.every
+    train_draft = bool(every) and t % every == 0
+    t2 = time.perf_counter()
+    with CompileCounter() as update_compiles:
+      learn = self.learner.update(rollouts.batch, train_draft)
+      self.pipeline.publish(t + 1, self.learner.model(),
+                            self.learner.draft_model() if train_draft else None)
+      jax.block_until_ready(self.learner.state)
+    t3 = time.perf_counter()
+    self._check_finite(learn)
+    if train_draft:
+      self._check_draft(learn)
+    self.step += 1
+    return {
+        **rollouts.metrics,
         "spec/draft_lag_steps": (self.step - self.counters.draft_synced_step
                                  if self.proposer is not None
                                  and self.proposer.model() is not None else 0),
+        **staleness,
         **{f"train/{k}": v for k, v in learn.items()},
         "train/nan_skipped_total": self.counters.nan_skipped,
         "train/draft_nan_skipped_total": self.counters.draft_nan_skipped,
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,
-        "time/rollout_s": t1 - t0, "time/reward_s": t2 - t1, "time/update_s": t3 - t2,
-        "time/rollout_decode_s": m["decode_s"],  # the device loop; the rest: prefill, host
-        "time/step_s": t3 - t0, "time/rollout_frac": (t1 - t0) / (t3 - t0),
-        # XLA compile seconds inside the phases (new shapes), included in their times
-        "time/rollout_compile_s": rollout_compiles.seconds,
+        "time/update_s": t3 - t2, "time/step_s": t3 - t0,
+        "time/rollout_frac": rollouts.metrics["time/rollout_s"] / (t3 - t0),
+        **self.pipeline.timing((t0, t3)),
         "time/update_compile_s": update_compiles.seconds,
     }
+
+  def _check_staleness(self, batch: dict[str, np.ndarray]) -> dict:
+    """Per response, its oldest token's staleness (updates between the weights that
+    sampled it and the learner's): histogram over ``0..max_staleness``, mean and max.
+    Training on a batch beyond ``rl.max_staleness`` is an error."""
+    rows = batch["mask"].sum(axis=1) > 0
+    lag = np.where(batch["mask"] > 0, batch["lag"], 0).max(axis=1)[rows]
+    N = self.cfg.rl.max_staleness
+    if lag.max() > N:
+      raise RuntimeError(f"step {self.step + 1}'s rollouts are {lag.max()} updates stale;"
+                         f" rl.max_staleness={N}")
+    return {"rl/staleness_hist": (np.bincount(lag, minlength=N + 1) / lag.size).tolist(),
+            "rl/staleness_mean": float(lag.mean()), "rl/staleness_max": int(lag.max())}
 
   def _check_finite(self, learn: dict) -> None:
     if not learn["skipped"]:
@@ -347,6 +394,19 @@ class Trainer:
 
   # ------------------------------------------------------------------ the run
 
+  def _evaluates_after(self, step: int) -> bool:
+    d = self.cfg.data
+    return bool(d.eval_n and d.eval_every and step % d.eval_every == 0
+                and step < self.cfg.steps)
+
+  def _saves_after(self, step: int) -> bool:
+    return step % self.cfg.checkpoint.every == 0 or step == self.cfg.steps
+
+  def _barrier(self, step: int) -> bool:
+    """Whether `run` evaluates or checkpoints after ``step`` updates: the rollouts of
+    step ``step`` wait for it (rl/pipeline.py)."""
+    return self._evaluates_after(step) or self._saves_after(step)
+
   def evaluate(self) -> dict:
     d = self.cfg.data
     acc = evaluation.evaluate(self.engine, self.tokenizer, self.sources, n=d.eval_n,
@@ -365,16 +425,17 @@ class Trainer:
     bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress)
     while self.step < cfg.steps:
       metrics = self.train_step(bar)
-      if cfg.data.eval_n and cfg.data.eval_every and self.step % cfg.data.eval_every == 0 \
-          and self.step < cfg.steps:
-        metrics.update(self.evaluate())
-      log.log(self.step, metrics)
-      bar.update(1)
-      bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
-                      acc_len=f"{metrics['spec/acceptance_length']:.2f}",
-                      gap=f"{metrics['train/logprob_gap']:.1e}")
-      if self.step % cfg.checkpoint.every == 0 or self.step == cfg.steps:
-        self.save()
+      with (self.pipeline.exclusive(self.step) if self._barrier(self.step)
+            else contextlib.nullcontext()):
+        if self._evaluates_after(self.step):
+          metrics.update(self.evaluate())
+        log.log(self.step, metrics)
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics['rollout/reward_mean']:.3f}",
+                        acc_len=f"{metrics['spec/acceptance_length']:.2f}",
+                        gap=f"{metrics['train/logprob_gap']:.1e}")
+        if self._saves_after(self.step):
+          self.save()
     bar.close()
     if cfg.data.eval_n:
       summary["eval_after"] = self.evaluate()
@@ -386,6 +447,7 @@ class Trainer:
     return summary
 
   def close(self) -> None:
+    self.pipeline.close()
     self.ckpt.close()
 
 

@@ -15,6 +15,10 @@ Old-policy logprobs ``log π_old`` are the rollout's raw-policy ones
 (``Response.policy_logprobs``: the target's verification logits, no temperature/top-k/
 top-p; losses.py says why); the trainer's recomputed ``log π_θ`` on the first
 mini-batch (same params) gives the rollout/trainer logprob gap, logged every step.
+A loss that takes the proximal policy (``decoupled_ppo``, for asynchronous RL) also gets
+``log π_prox``: the learner's parameters at the start of the update, recomputed for the
+tokens an older policy sampled (``lag > 0``); with them the update reports the truncated
+importance weight's mean, max and truncated fraction (``iw_*``).
 
 The state lives on the policy's mesh: parameters and Adam moments keep the policy's
 shardings (`sharding.RULES`), micro-batch rows are split over ``data`` × ``fsdp``, and
@@ -63,18 +67,21 @@ BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
                   old_logprobs: Sequence[np.ndarray], advantages: np.ndarray,
-                  rewards: np.ndarray, T: int, pad_id: int) -> dict[str, np.ndarray]:
+                  rewards: np.ndarray, T: int, pad_id: int,
+                  lags: Sequence[np.ndarray] | None = None) -> dict[str, np.ndarray]:
   """Right-padded next-token arrays of prompt + response sequences.
 
   Returns ``tokens[N, T]`` inputs, ``targets[N, T]`` next tokens, ``valid[N, T]``,
   ``mask[N, T]`` (1 where the target is a response token), ``old_logp[N, T]`` (the
-  rollout's ``log π_old`` of each target, 0 elsewhere), ``adv[N]`` and ``reward[N]``.
+  rollout's ``log π_old`` of each target, 0 elsewhere), ``lag[N, T]`` (how many updates
+  the learner's parameters are ahead of those that sampled each response token: its
+  staleness; ``lags`` None: all 0), ``adv[N]`` and ``reward[N]``.
   """
   N = len(prompts)
   out = {"tokens": np.full((N, T), pad_id, np.int32),
          "targets": np.full((N, T), pad_id, np.int32),
          "valid": np.zeros((N, T), bool), "mask": np.zeros((N, T), np.float32),
-         "old_logp": np.zeros((N, T), np.float32),
+         "old_logp": np.zeros((N, T), np.float32), "lag": np.zeros((N, T), np.int32),
          "adv": np.asarray(advantages, np.float32).reshape(N),
          "reward": np.asarray(rewards, np.float32).reshape(N)}
   for i, (p, r, lp) in enumerate(zip(prompts, responses, old_logprobs)):
@@ -87,6 +94,8 @@ def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence
     out["valid"][i, :n] = True
     out["mask"][i, P - 1:n] = 1.0
     out["old_logp"][i, P - 1:n] = lp
+    if lags is not None:
+      out["lag"][i, P - 1:n] = lags[i]
   return out
 
 
@@ -109,6 +118,21 @@ class DistillParams:
   temperature: float
 
 
+def target_logp(logits: jax.Array, targets: jax.Array) -> jax.Array:
+  """``log π(target)`` of ``logits[m, T, V]`` at ``targets[m, T]`` → ``[m, T]``."""
+  return jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+
+
+def score_targets(params, micros, *, graphdef):
+  """``log π_params(target)`` ``[n, c, T_b]`` of micro-batch chunks ``[n, c, T_b]``
+  (the proximal policy's log-probs: no gradient)."""
+  def body(carry, mb):
+    logits = teacher_forced(graphdef, params, mb["tokens"], mb["valid"]).logits
+    return carry, target_logp(logits, mb["targets"])
+
+  return jax.lax.scan(body, None, micros)[1]
+
+
 def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_name: str,
                 p: losses.LossParams, distill: DistillParams | None):
   """``Σ w ℓ + λ Σ w_d d`` over one micro-batch, plus the per-token sums for metrics.
@@ -118,16 +142,16 @@ def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_nam
   only its own forward and backward, and its loss sends no gradient into the policy.
   """
   params, draft_params = trainable
-  target_logp = lambda logits: jnp.take_along_axis(  # noqa: E731  [m, T, V] -> [m, T]
-      jax.nn.log_softmax(logits), mb["targets"][..., None], -1)[..., 0]
   logits = teacher_forced(graphdef, params, mb["tokens"], mb["valid"]).logits  # [m, T, V]
-  logp = target_logp(logits)
-  per_token, clipped = losses.get_policy_loss(loss_name)(logp, mb["old_logp"], mb["adv"], p)
+  logp = target_logp(logits, mb["targets"])
+  loss_fn = losses.get_policy_loss(loss_name)
+  proximal = {"prox_logp": mb["prox_logp"]} if losses.takes_proximal(loss_fn) else {}
+  per_token, clipped = loss_fn(logp, mb["old_logp"], mb["adv"], p, **proximal)
   m = mb["mask"]
   kl = jnp.zeros_like(logp)
   if ref_params is not None:
     ref_logp = target_logp(teacher_forced(graphdef, ref_params, mb["tokens"],
-                                          mb["valid"]).logits)
+                                          mb["valid"]).logits, mb["targets"])
     kl = losses.kl_k3(logp, jax.lax.stop_gradient(ref_logp))
     per_token = per_token + p.kl_coef * kl
   loss = (per_token * mb["weight"]).sum()
@@ -233,7 +257,9 @@ class Learner:
       distill = DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature)
     # β > 0: a frozen copy of the initial policy (a separate buffer: state is donated).
     self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
-    self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef)
+    self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef,
+                                         cfg.importance_cap)
+    self.takes_proximal = losses.takes_proximal(losses.get_policy_loss(cfg.loss))
     # The state keeps its shardings across steps (donated in place, one compile; the
     # engine's copy of the weights keeps its compiled programs too). Gradients are laid
     # out like the parameters; the per-micro-batch sums are replicated scalars. One
@@ -254,6 +280,8 @@ class Learner:
       self._accumulate[with_draft] = jax.jit(
           functools.partial(accumulate_grads, **loss_kw), donate_argnums=0,
           out_shardings=acc_shardings, compiler_options=training_compiler_options())
+    self._score = jax.jit(functools.partial(score_targets, graphdef=self.graphdef),
+                          compiler_options=training_compiler_options())
     self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx, draft_tx=self.draft_tx),
                           donate_argnums=0, out_shardings=(state_shardings, replicated),
                           compiler_options=training_compiler_options())
@@ -287,7 +315,8 @@ class Learner:
   def minibatches(self, batch: dict[str, np.ndarray]) -> list[list[dict[str, np.ndarray]]]:
     """Splits ``N`` responses into mini-batches of `micro_batches`, with each token's
     policy-loss weight (``weight``) and, when a drafter trains, drafter-loss weight
-    (``draft_weight``), both normalised over the mini-batch."""
+    (``draft_weight``), both normalised over the mini-batch; and, when the loss takes
+    the proximal policy, its log-probs (``prox_logp``) at the current parameters."""
     N = batch["adv"].shape[0]
     self.check_batch_size(N)
     out = []
@@ -299,8 +328,31 @@ class Learner:
         mb["draft_weight"] = losses.draft_weights(self.draft_cfg.weighting, mb["mask"],
                                                   mb["reward"],
                                                   self.draft_cfg.reward_temperature)
-      out.append(micro_batches(mb, self.cfg.micro_batch_size))
+      groups = micro_batches(mb, self.cfg.micro_batch_size)
+      for group in groups:
+        lag = group.pop("lag", None)
+        if self.takes_proximal:
+          group["prox_logp"] = self.proximal_logprobs(group, lag)
+      out.append(groups)
     return out
+
+  def proximal_logprobs(self, group: dict[str, np.ndarray],
+                        lag: np.ndarray | None) -> np.ndarray:
+    """``log π_prox [n_g, m, T_b]`` of a micro-batch group at the current parameters.
+
+    Tokens of staleness 0 (``lag`` 0 or None) were sampled by these very parameters:
+    they keep the engine's ``old_logp`` (the same policy; a recomputation would differ
+    only by float noise), so a fresh batch costs no forward and decoupled PPO is
+    ``ppo_clip`` exactly. The others are recomputed by a teacher-forced forward.
+    """
+    stale = np.zeros(group["old_logp"].shape, bool) if lag is None else lag > 0
+    if not stale.any():
+      return group["old_logp"]
+    placed = self._place({k: group[k] for k in ("tokens", "targets", "valid")})
+    with jax.set_mesh(self.mesh):
+      logp = self._score(self.state["params"], placed)
+    logp = np.asarray(jax.device_get(logp)).reshape(stale.shape)
+    return np.where(stale, logp, group["old_logp"]).astype(np.float32)
 
   def _place(self, micros: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """Micro-batches ``[n_g, m, ...]`` in `chunk_rows` chunks ``[n_g·m/c, c, ...]``,
@@ -340,7 +392,8 @@ class Learner:
     if train_draft and self.draft_graphdef is None:
       raise ValueError("train_draft=True but the learner holds no drafter")
     metrics, computed = [], 0
-    for groups in self.minibatches(batch):
+    parts = self.minibatches(batch)
+    for groups in parts:
       acc = self.gradients(groups, train_draft)
       computed += sum(group["tokens"].size for group in groups)
       with jax.set_mesh(self.mesh):
@@ -354,7 +407,22 @@ class Learner:
     if train_draft:
       out["draft_skipped"] = int(sum(m["draft_skipped"] for m in metrics))
     out["positions_computed_frac"] = computed / batch["tokens"].size
+    if self.takes_proximal:
+      out.update(self._importance_stats([g for groups in parts for g in groups]))
     return out
+
+  def _importance_stats(self, groups: list[dict[str, np.ndarray]]) -> dict[str, float]:
+    """Over response tokens: the mean and max of the truncated importance weight
+    ``w = min(π_prox / π_behav, c)`` and the fraction truncated (``π_prox / π_behav >
+    c``)."""
+    ratio = np.concatenate([np.exp(g["prox_logp"] - g["old_logp"])[g["mask"] > 0]
+                            for g in groups])
+    if not ratio.size:
+      return {"iw_mean": 1.0, "iw_max": 1.0, "iw_truncated_frac": 0.0}
+    cap = self.cfg.importance_cap
+    w = np.minimum(ratio, cap)
+    return {"iw_mean": float(w.mean()), "iw_max": float(w.max()),
+            "iw_truncated_frac": float((ratio > cap).mean())}
 
 
 def padded_len(n: int, T: int) -> int:

@@ -20,11 +20,27 @@ settings. What this leaves out: the gap between the processed sampling distribut
 and ``π_θ`` is not importance-weighted (none at temperature 1 without truncation).
 
 Policy losses (``POLICY_LOSSES``; one signature: per-token quantities in, per-token
-loss out):
+loss out; a loss that also takes the keyword ``prox_logp`` gets the proximal policy's
+log-probs, `takes_proximal`):
 
-  ppo_clip   ℓ_t = -min(ρ_t A_i, clip(ρ_t, 1 - ε_low, 1 + ε_high) A_i)
-             (Schulman et al., 2017; GRPO's surrogate; ε_high > ε_low is DAPO's
-             clip-higher)
+  ppo_clip       ℓ_t = -min(ρ_t A_i, clip(ρ_t, 1 - ε_low, 1 + ε_high) A_i)
+                 (Schulman et al., 2017; GRPO's surrogate; ε_high > ε_low is DAPO's
+                 clip-higher)
+  decoupled_ppo  ℓ_t = -w_t · min(r_t A_i, clip(r_t, 1 - ε_low, 1 + ε_high) A_i),
+                 r_t = π_θ / π_prox,  w_t = min(π_prox / π_behav, c)
+                 (decoupled PPO, Hilton et al., 2022, as AReaL runs it for asynchronous
+                 RL; the truncation is V-trace's, Espeholt et al., 2018)
+
+In asynchronous RL the behaviour policy ``π_behav`` (``π_old`` above: the engine's
+log-probs) may be up to ``max_staleness`` updates older than ``π_θ``. Decoupled PPO
+measures the trust region from the proximal policy ``π_prox`` (the learner's parameters
+at the start of the update: the learner recomputes its log-probs) instead, so the clip
+bounds this update's change alone, and corrects the behaviour/proximal gap with the
+importance weight ``w_t``, truncated at ``c`` (``learner.importance_cap``) to bound its
+variance; ``w_t`` carries no gradient. Tokens the learner's current parameters sampled
+(staleness 0) have ``π_prox = π_behav`` (the same parameters: the learner takes the
+engine's log-probs), so ``w_t = min(1, c)`` and, for ``c >= 1``, the loss is
+``ppo_clip``'s exactly.
 
 KL penalty (optional, ``β > 0``): ``ℓ_t += β · k3_t`` with the unbiased, non-negative
 estimator ``k3_t = exp(log π_ref - log π_θ) - (log π_ref - log π_θ) - 1`` of
@@ -71,6 +87,7 @@ Shape legend: B responses, T time, V vocab.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 
 import jax
@@ -80,14 +97,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class LossParams:
-  """Hyper-parameters of the policy loss (ε_low, ε_high, β)."""
+  """Hyper-parameters of the policy loss (ε_low, ε_high, β, the importance cap c)."""
 
   clip_eps_low: float = 0.2
   clip_eps_high: float = 0.2
   kl_coef: float = 0.0
+  importance_cap: float = 5.0
 
 
-# (log π_θ [B,T], log π_old [B,T], A [B], params) -> (ℓ [B,T], clipped [B,T] bool)
+# (log π_θ [B,T], log π_old [B,T], A [B], params[, *, prox_logp=log π_prox [B,T]])
+#   -> (ℓ [B,T], clipped [B,T] bool)
 PolicyLossFn = Callable[[jax.Array, jax.Array, jax.Array, LossParams],
                         tuple[jax.Array, jax.Array]]
 # (mask [B,T], max_response_len) -> w [B,T]
@@ -104,7 +123,27 @@ def ppo_clip(logp, old_logp, adv, p: LossParams):
   return -jnp.minimum(unclipped, clipped), clipped < unclipped
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip}
+def truncated_importance_weight(prox_logp, behav_logp, cap: float):
+  """``w_t = min(π_prox / π_behav, c)`` per token, ``[B, T]``, no gradient."""
+  w = jnp.minimum(jnp.exp(prox_logp - behav_logp), cap)
+  return jax.lax.stop_gradient(w)
+
+
+def decoupled_ppo(logp, old_logp, adv, p: LossParams, *, prox_logp):
+  """Decoupled PPO (module docstring): PPO-clip against ``π_prox``, weighted by
+  ``w_t = min(π_prox / π_behav, c)``; ``old_logp`` is ``log π_behav``."""
+  loss, clipped = ppo_clip(logp, prox_logp, adv, p)
+  return truncated_importance_weight(prox_logp, old_logp, p.importance_cap) * loss, clipped
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo_clip": ppo_clip,
+                                          "decoupled_ppo": decoupled_ppo}
+
+
+def takes_proximal(fn: PolicyLossFn) -> bool:
+  """Whether the loss ``fn`` takes the proximal policy's log-probs (``prox_logp``), which
+  the learner then recomputes at the start of each update."""
+  return "prox_logp" in inspect.signature(fn).parameters
 
 
 def kl_k3(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:

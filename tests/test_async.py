@@ -1,0 +1,210 @@
+"""Asynchronous RL on one mesh (rl/pipeline.py): the staleness schedule, async with
+max_staleness 0 is the sync run bit for bit, the bound and the parameters do not depend
+on timing, failures of either thread stop the run, resume regenerates in-flight
+rollouts exactly."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from spec_rl_jax import checkpoint, train
+from spec_rl_jax.config import ConfigError, load_config
+from spec_rl_jax.rl import rewards
+from spec_rl_jax.rl.learner import Learner
+from spec_rl_jax.rl.metrics import read_metrics
+from spec_rl_jax.rl.pipeline import RolloutThreadError, Schedule
+from tests.rl_fixtures import tiny_overrides, write_tiny_models
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+  return write_tiny_models(str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture
+def parity_prompts(tmp_path, monkeypatch):
+  """A JSONL source whose reward is the parity of the response's length: random tiny
+  models get rewards that vary within a group, so updates move the policy."""
+  monkeypatch.setitem(rewards.REWARDS, "parity", lambda response, answer: len(response) % 2)
+  path = tmp_path / "prompts.jsonl"
+  path.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n'
+                          for a in range(4) for b in range(3)))
+  return {"data.sources": f"[jsonl:{path}]", "data.default_reward": "parity"}
+
+
+def _config(models, run_dir, prompts, **extra):
+  """A tiny run of 4 AR steps, a checkpoint after the last."""
+  overrides = {"steps": 4, "checkpoint.every": 4, "drafter.num_draft_tokens": 0,
+               "learner.lr": 1e-2, **prompts, **extra}
+  return load_config(None, tiny_overrides(models, str(run_dir), **overrides))
+
+
+def _run(models, run_dir, prompts, resume=False, **extra):
+  """``(final parameters as host arrays, metrics records)`` of `_config`'s run."""
+  trainer = train.Trainer(_config(models, run_dir, prompts, **extra), resume=resume)
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  return ([np.asarray(x) for x in jax.tree.leaves(trainer.learner.state["params"])],
+          read_metrics(str(run_dir)))
+
+
+def _assert_same_params(a, b):
+  for x, y in zip(a, b, strict=True):
+    np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("rl.max_staleness=-1", r"rl.max_staleness must be >= 0, got -1"),
+    ("rl.max_staleness=2", r"rl.max_staleness=2 needs rl.mode=async"),
+    ("rl.mode=overlap", r"rl.mode='overlap' is not one of \['async', 'sync'\]"),
+    ("learner.importance_cap=0", r"learner.importance_cap must be > 0, got 0.0"),
+    ("learner.importance_cap=-2.5", r"learner.importance_cap must be > 0, got -2.5"),
+])
+def test_bad_config(override, message):
+  with pytest.raises(ConfigError, match=message):
+    load_config(None, ["rl.mode=async", override] if "needs" not in message
+                else [override])
+
+
+def test_schedule_is_a_function_of_the_step():
+  """v(t) = max(t - N, the last barrier <= t); the run's first step is a barrier."""
+  every4 = lambda s: s % 4 == 0  # noqa: E731
+  assert [Schedule(0, 10, 0, every4).version(t) for t in range(10)] == list(range(10))
+  assert [Schedule(0, 10, 1, every4).version(t) for t in range(10)] == [
+      0, 0, 1, 2, 4, 4, 5, 6, 8, 8]
+  assert [Schedule(0, 10, 2, every4).version(t) for t in range(10)] == [
+      0, 0, 0, 1, 4, 4, 4, 5, 8, 8]
+  assert [Schedule(5, 10, 3, every4).version(t) for t in range(5, 10)] == [5, 5, 5, 8, 8]
+
+
+@pytest.mark.slow
+def test_async_staleness_zero_is_the_sync_run(models, tmp_path, parity_prompts):
+  """Same rollouts, same parameters, bit for bit, with decoupled PPO in async mode
+  (staleness 0: behaviour = proximal, w = 1) against PPO-clip in sync mode."""
+  sync, sync_records = _run(models, tmp_path / "sync", parity_prompts)
+  async0, async_records = _run(models, tmp_path / "async", parity_prompts,
+                               **{"rl.mode": "async", "learner.loss": "decoupled_ppo"})
+  _assert_same_params(sync, async0)
+  assert any(r["train/loss"] != 0 for r in sync_records)  # the policy did move
+  for s, a in zip(sync_records, async_records, strict=True):
+    assert s["rollout/reward_mean"] == a["rollout/reward_mean"]
+    assert s["train/loss"] == a["train/loss"]
+    assert a["rl/staleness_max"] == 0 and a["train/iw_mean"] == 1.0
+
+
+def _timed(monkeypatch, owner, name, delay, events, kind):
+  """Wraps ``owner.name`` to sleep ``delay`` seconds first, logging ``(kind, start,
+  end)``."""
+  inner = getattr(owner, name)
+
+  def wrapper(*args, **kw):
+    start = time.perf_counter()
+    time.sleep(delay)
+    out = inner(*args, **kw)
+    events.append((kind, start, time.perf_counter()))
+    return out
+
+  monkeypatch.setattr(owner, name, wrapper)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("slow", ["rollouts", "updates"])
+def test_staleness_bound_and_params_do_not_depend_on_timing(models, tmp_path,
+                                                            parity_prompts, monkeypatch,
+                                                            slow):
+  """max_staleness 2: slow rollouts (the learner waits) or slow updates (the rollout
+  thread runs ahead as far as it may) change neither any batch's staleness nor the
+  parameters; with slow updates the next rollouts overlap the update."""
+  async2 = {"rl.mode": "async", "rl.max_staleness": 2, "learner.loss": "decoupled_ppo"}
+  reference, records = _run(models, tmp_path / "reference", parity_prompts, **async2)
+  # v(t) = 0, 0, 0, 1: staleness 0, 1, 2, 2 (a checkpoint after step 4 only).
+  assert [r["rl/staleness_max"] for r in records] == [0, 1, 2, 2]
+  assert [r["rl/staleness_hist"] for r in records] == [[1, 0, 0], [0, 1, 0], [0, 0, 1],
+                                                       [0, 0, 1]]
+  assert all(r["train/iw_max"] <= 5.0 and r["train/iw_mean"] > 0 for r in records)
+  assert records[-1]["train/iw_mean"] != 1.0  # stale tokens: π_prox ≠ π_behav
+
+  events = []
+  _timed(monkeypatch, train.Trainer, "rollout", 0.4 if slow == "rollouts" else 0.0,
+         events, "rollout")
+  _timed(monkeypatch, Learner, "update", 0.4 if slow == "updates" else 0.0, events, "update")
+  params, timed_records = _run(models, tmp_path / slow, parity_prompts, **async2)
+  _assert_same_params(reference, params)
+  assert [r["rl/staleness_max"] for r in timed_records] == [0, 1, 2, 2]
+  rollouts = [e for e in events if e[0] == "rollout"]
+  updates = [e for e in events if e[0] == "update"]
+  if slow == "updates":  # rollouts of steps 2 and 3 start before update 1 ends
+    assert rollouts[2][1] < updates[0][2]
+    assert max(r["time/learner_idle_frac"] for r in timed_records[1:]) < 0.5
+
+
+def test_a_dying_rollout_thread_stops_the_run(models, tmp_path, parity_prompts,
+                                              monkeypatch):
+  """The learner raises the rollout thread's exception (as the cause) instead of
+  waiting; the last checkpoint stays the resume point; no thread is left behind."""
+  inner = train.Trainer.rollout
+
+  def failing(self, t):
+    if t == 3:
+      raise OSError("disk on fire")
+    return inner(self, t)
+
+  monkeypatch.setattr(train.Trainer, "rollout", failing)
+  run_dir = tmp_path / "run"
+  outcome = {}
+
+  def target():
+    try:
+      _run(models, run_dir, parity_prompts, steps=6, **{
+          "checkpoint.every": 2, "rl.mode": "async", "rl.max_staleness": 1})
+    except BaseException as e:  # noqa: BLE001
+      outcome["error"] = e
+
+  thread = threading.Thread(target=target)
+  thread.start()
+  thread.join(timeout=120)
+  assert not thread.is_alive(), "the trainer hangs after its rollout thread died"
+  error = outcome["error"]
+  assert isinstance(error, RolloutThreadError)
+  assert isinstance(error.__cause__, OSError) and "disk on fire" in str(error.__cause__)
+  assert error.__cause__.__traceback__ is not None
+  ckpt = checkpoint.TrainCheckpointer(str(run_dir))
+  assert ckpt.latest_step() == 2
+  ckpt.close()
+  assert not [t for t in threading.enumerate() if t.name == "rollouts"]
+
+
+@pytest.mark.slow
+def test_a_failing_update_stops_the_rollout_thread(models, tmp_path, parity_prompts,
+                                                   monkeypatch):
+  def failing(self, batch, train_draft=False):
+    raise FloatingPointError("update failed")
+
+  monkeypatch.setattr(Learner, "update", failing)
+  with pytest.raises(FloatingPointError, match="update failed"):
+    _run(models, tmp_path / "run", parity_prompts,
+         **{"rl.mode": "async", "rl.max_staleness": 1})
+  assert not [t for t in threading.enumerate() if t.name == "rollouts"]
+
+
+@pytest.mark.slow
+def test_resume_regenerates_in_flight_rollouts_exactly(models, tmp_path, parity_prompts):
+  """Stopped after step 2 (a checkpoint: a barrier) and resumed, an async run ends with
+  the parameters of the uninterrupted run."""
+  async1 = {"rl.mode": "async", "rl.max_staleness": 1, "learner.loss": "decoupled_ppo",
+            "checkpoint.every": 2}
+  straight, records = _run(models, tmp_path / "straight", parity_prompts, **async1)
+  assert [r["rl/staleness_max"] for r in records] == [0, 1, 0, 1]
+  _run(models, tmp_path / "killed", parity_prompts, **{**async1, "steps": 2})
+  resumed, resumed_records = _run(models, tmp_path / "killed", parity_prompts, resume=True,
+                                  **async1)
+  assert [r["step"] for r in resumed_records] == [1, 2, 3, 4]
+  for a, b in zip(records, resumed_records, strict=True):
+    assert (a["rollout/reward_mean"], a["train/loss"], a["rl/staleness_max"]) == (
+        b["rollout/reward_mean"], b["train/loss"], b["rl/staleness_max"])
+  _assert_same_params(straight, resumed)
