@@ -3,6 +3,10 @@ max_staleness 0 is the sync run bit for bit, the bound and the parameters do not
 on timing, failures of either thread stop the run, resume regenerates in-flight
 rollouts exactly."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -208,3 +212,61 @@ def test_resume_regenerates_in_flight_rollouts_exactly(models, tmp_path, parity_
     assert (a["rollout/reward_mean"], a["train/loss"], a["rl/staleness_max"]) == (
         b["rollout/reward_mean"], b["train/loss"], b["rl/staleness_max"])
   _assert_same_params(straight, resumed)
+
+
+_PARITY_MAIN = """
+import sys
+from spec_rl_jax import train
+from spec_rl_jax.rl import rewards
+rewards.REWARDS["parity"] = lambda response, answer: len(response) % 2
+train.main(sys.argv[1:])
+"""
+
+
+def _final_checkpoint(run_dir):
+  """The last checkpoint's policy and draft-model parameters, host arrays."""
+  ckpt = checkpoint.TrainCheckpointer(run_dir)
+  meta = ckpt.restore_meta()
+  out = []
+  for key, model in (("params", "model"), ("draft", "draft_model")):
+    _, abstract = checkpoint.abstract_params(checkpoint.config_from_json(meta[model]))
+    out += [np.asarray(x) for x in jax.tree.leaves(ckpt.restore_params(abstract, key=key))]
+  step = ckpt.latest_step()
+  ckpt.close()
+  return step, out
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_matches_uninterrupted(models, tmp_path, parity_prompts):
+  """An async run (staleness 1, speculative rollouts by a draft model distilled every
+  step) SIGKILLed once its step-2 checkpoint exists, then resumed, ends with the
+  uninterrupted run's policy and drafter, bit for bit."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "SPEC_RL_JAX_XLA_CACHE": str(tmp_path / "xla")}
+  extra = {"steps": 6, "checkpoint.every": 2, "drafter.num_draft_tokens": 2,
+           "drafter.train.every": 1, "learner.lr": 1e-2, "rl.mode": "async",
+           "rl.max_staleness": 1, "learner.loss": "decoupled_ppo", **parity_prompts}
+  cmd = lambda run_dir, *flags: [sys.executable, "-c", _PARITY_MAIN, *flags,  # noqa: E731
+                                 *tiny_overrides(models, str(run_dir), **extra)]
+  reference = subprocess.Popen(cmd(tmp_path / "straight"), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(cmd(killed), env=env, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
+  ckpt_dir = killed / "ckpt"
+  deadline = time.time() + 240
+  while not (ckpt_dir.is_dir() and "2" in os.listdir(ckpt_dir)):
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    assert time.time() < deadline
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert "6" not in os.listdir(ckpt_dir)  # really killed mid-way
+  resumed = subprocess.run(cmd(killed, "--resume"), env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
+  assert resumed.returncode == 0, resumed.stderr.decode()[-2000:]
+  assert reference.wait() == 0, reference.stderr.read().decode()[-2000:]
+  (step_a, a), (step_b, b) = _final_checkpoint(tmp_path / "straight"), _final_checkpoint(killed)
+  assert step_a == step_b == 6
+  _assert_same_params(a, b)
+  staleness = [r["rl/staleness_max"] for r in read_metrics(str(killed))]
+  assert staleness == [0, 1, 0, 1, 0, 1]
