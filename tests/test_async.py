@@ -270,3 +270,27 @@ def test_sigkill_then_resume_matches_uninterrupted(models, tmp_path, parity_prom
   _assert_same_params(a, b)
   staleness = [r["rl/staleness_max"] for r in read_metrics(str(killed))]
   assert staleness == [0, 1, 0, 1, 0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.mesh
+def test_async_on_one_mesh_of_8_devices(models, tmp_path, parity_prompts):
+  """Placement (a), rollouts and updates sharing a (2, 2, 2) mesh: async with staleness
+  0 is the sync run bit for bit; with staleness 1 an evaluation step is a barrier (its
+  rollouts fresh) and the final evaluation sees the final weights."""
+  mesh = {"policy.mesh": "[2,2,2]"}
+  sync, _ = _run(models, tmp_path / "sync", parity_prompts, **mesh)
+  async0, _ = _run(models, tmp_path / "async0", parity_prompts, **mesh,
+                   **{"rl.mode": "async"})
+  _assert_same_params(sync, async0)
+  trainer = train.Trainer(_config(models, tmp_path / "async1", parity_prompts, **mesh, **{
+      "rl.mode": "async", "rl.max_staleness": 1, "learner.loss": "decoupled_ppo",
+      "data.eval_n": 2, "data.eval_k": 1, "data.eval_every": 2}))
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  records = read_metrics(str(tmp_path / "async1"))
+  assert [r["rl/staleness_max"] for r in records if "rl/staleness_max" in r] == [0, 1, 0, 1]
+  assert "eval_after" in summary and any("eval/" in k for k in records[2])
+  assert trainer.engine.version == 4
