@@ -27,8 +27,9 @@ the learner's busy/idle fractions ``time/{rollout,learner}_{busy,idle}_frac``.
 
 The run directory holds ``config.yaml`` (resolved), ``tokenizer/``, ``metrics.jsonl``,
 ``tb/``, ``ckpt/`` (params, optimizer, draft params, data iterator, counters, the
-engine's proposer's host memory, e.g. the n-gram references; async orbax) and
-``reward.png`` / ``acceptance_length.png``. ``--resume`` continues from the last
+engine's proposer's host memory, e.g. the n-gram references; async orbax),
+``reward.png`` / ``acceptance_length.png`` and ``timeline.png`` (the wall-clock
+intervals of rollouts and updates). ``--resume`` continues from the last
 checkpoint with the same future. A run directory is itself a ``policy.path`` (its latest
 checkpoint) for the next run; ``python -m spec_rl_jax.export RUN_DIR OUT_DIR`` writes
 its policy (and draft model) as HF checkpoints.
@@ -333,6 +334,7 @@ class Trainer:
                             self.learner.draft_model() if train_draft else None)
       jax.block_until_ready(self.learner.state)
     t3 = time.perf_counter()
+    self.pipeline.updates.append([t, t2, t3])
     self._check_finite(learn)
     if train_draft:
       self._check_draft(learn)
@@ -443,6 +445,9 @@ class Trainer:
     self.ckpt.wait()
     log.close()
     summary["plots"] = obs.plot_curves(cfg.run_dir)
+    summary["timeline"] = obs.plot_timeline(
+        os.path.join(cfg.run_dir, "timeline.png"),
+        {"rollout": self.pipeline.rollouts, "update": self.pipeline.updates})
     summary["steps"] = self.step
     return summary
 

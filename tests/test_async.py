@@ -18,7 +18,7 @@ from spec_rl_jax import checkpoint, train
 from spec_rl_jax.config import ConfigError, load_config
 from spec_rl_jax.rl import rewards
 from spec_rl_jax.rl.learner import Learner
-from spec_rl_jax.rl.metrics import read_metrics
+from spec_rl_jax.rl.metrics import plot_timeline, read_metrics
 from spec_rl_jax.rl.pipeline import RolloutThreadError, Schedule
 from tests.rl_fixtures import tiny_overrides, write_tiny_models
 
@@ -84,6 +84,13 @@ def test_schedule_is_a_function_of_the_step():
   assert [Schedule(0, 10, 2, every4).version(t) for t in range(10)] == [
       0, 0, 0, 1, 4, 4, 4, 5, 8, 8]
   assert [Schedule(5, 10, 3, every4).version(t) for t in range(5, 10)] == [5, 5, 5, 8, 8]
+
+
+def test_timeline_plot(tmp_path):
+  path = plot_timeline(str(tmp_path / "timeline.png"), {
+      "rollout": [[0, 10.0, 10.5], [1, 10.5, 11.2], [2, 11.2, float("inf")]],
+      "update": [[0, 10.6, 10.9]]})
+  assert os.path.getsize(path) > 0
 
 
 @pytest.mark.slow
@@ -294,3 +301,6 @@ def test_async_on_one_mesh_of_8_devices(models, tmp_path, parity_prompts):
   assert [r["rl/staleness_max"] for r in records if "rl/staleness_max" in r] == [0, 1, 0, 1]
   assert "eval_after" in summary and any("eval/" in k for k in records[2])
   assert trainer.engine.version == 4
+  assert os.path.basename(summary["timeline"]) == "timeline.png"
+  assert [iv[0] for iv in trainer.pipeline.rollouts] == [0, 1, 2, 3]
+  assert [iv[0] for iv in trainer.pipeline.updates] == [0, 1, 2, 3]

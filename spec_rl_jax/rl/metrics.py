@@ -165,3 +165,22 @@ def plot_trend(path: str, key: str, steps: Sequence[int], values: Sequence[float
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   return path
+
+
+def plot_timeline(path: str, lanes: Mapping[str, Sequence[Sequence[float]]]) -> str:
+  """The wall-clock intervals ``[step, start, end]`` of each lane (rollouts, updates),
+  one row of bars each, seconds from the first start; writes ``path``."""
+  spans = [iv for ivs in lanes.values() for iv in ivs if np.isfinite(iv[2])]
+  t0 = min((iv[1] for iv in spans), default=0.0)
+  fig = Figure(figsize=(9, 0.6 + 0.6 * len(lanes)))
+  ax = fig.subplots()
+  for row, (name, ivs) in enumerate(lanes.items()):
+    done = [(s - t0, e - s) for _, s, e in ivs if np.isfinite(e)]
+    ax.broken_barh(done, (row - 0.35, 0.7), color=f"C{row}", edgecolor="white",
+                   linewidth=0.3)
+  ax.set_yticks(range(len(lanes)), list(lanes))
+  ax.set_xlabel("wall-clock seconds")
+  ax.grid(axis="x", alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  return path

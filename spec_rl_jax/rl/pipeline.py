@@ -35,9 +35,11 @@ checkpointed: a resumed run regenerates them, deterministically, from the checkp
 version s (``b(s) = s``), exactly as the uninterrupted run generated them. The cost is
 one step without overlap per barrier.
 
-Timing. `timing` gives, over a step's wall-clock window, the fraction of it the rollout
-side was busy (generating and scoring) and the fraction the learner waited for
-rollouts, in both modes (sync: the rollout time, the learner idle meanwhile).
+Timing. The pipeline keeps every rollout's wall-clock interval (``rollouts``; the
+trainer adds its updates' to ``updates``: the run's timeline). `timing` gives, over a
+step's window, the fraction of it the rollout side was busy (generating and scoring)
+and the fraction the learner waited for rollouts, in both modes (sync: the rollout
+time, the learner idle meanwhile).
 """
 
 from __future__ import annotations
@@ -111,8 +113,9 @@ class Pipeline:
   def __init__(self, engine: RolloutEngine, rollout: Callable[[int], Rollouts],
                schedule: Schedule):
     self.engine, self.schedule, self._rollout = engine, schedule, rollout
-    self._intervals: list[list[float]] = []  # rollouts' [start, end], wall clock
-    self._intervals_lock = threading.Lock()  # appended by the rollout side
+    # [step, start, end] (perf_counter seconds; end inf while running)
+    self.rollouts: list[list[float]] = []
+    self.updates: list[list[float]] = []
     self._waited = 0.0  # seconds the learner waited in `get` since the last `timing`
 
   def _generate(self, t: int) -> Rollouts:
@@ -120,11 +123,10 @@ class Pipeline:
       raise AssertionError(f"step {t}'s rollouts need weights version"
                            f" {self.schedule.version(t)}; the engine holds"
                            f" {self.engine.version}")
-    interval = [time.perf_counter(), float("inf")]
-    with self._intervals_lock:
-      self._intervals.append(interval)
+    interval = [t, time.perf_counter(), float("inf")]
+    self.rollouts.append(interval)
     out = self._rollout(t)
-    interval[1] = time.perf_counter()
+    interval[2] = time.perf_counter()
     return out
 
   def get(self, t: int) -> Rollouts:
@@ -149,9 +151,11 @@ class Pipeline:
     the learner's idle fraction (waiting in `get`)."""
     lo, hi = window
     span = max(hi - lo, 1e-9)
-    with self._intervals_lock:
-      busy = sum(max(0.0, min(e, hi) - max(s, lo)) for s, e in self._intervals)
-      self._intervals = [i for i in self._intervals if i[1] > hi]
+    busy = 0.0
+    for _, s, e in reversed(list(self.rollouts)):  # a copy: the rollout side appends
+      if e < lo:
+        break
+      busy += max(0.0, min(e, hi) - max(s, lo))
     waited, self._waited = self._waited, 0.0
     return {"time/rollout_busy_frac": min(busy / span, 1.0),
             "time/rollout_idle_frac": max(1.0 - busy / span, 0.0),
