@@ -1,13 +1,19 @@
-"""Test setup: 8 fake CPU devices for sharding tests, fp32 matmuls for parity, a
-persistent XLA cache for the session; the speculative tests' shared target and its
-greedy AR outputs, built once per session."""
+"""Test setup: 8 fake CPU devices for sharding tests, unoptimised backend code (the
+suite is compile-bound), fp32 matmuls for parity, a persistent XLA cache for the
+session; the speculative tests' shared target and its greedy AR outputs, built once per
+session."""
 
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8")
+# The tests' programs are tiny and compiled once or twice, so the suite's time is mostly
+# XLA:CPU code generation: the backend compiles them unoptimised, with the older
+# elemental emitters and as one LLVM module (cheaper to build than to run slower).
+os.environ["XLA_FLAGS"] = " ".join([
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+    "--xla_cpu_parallel_codegen_split_count=1"])
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The trainer's persistent XLA cache (train.main turns it on) would write into the
 # user's model cache; tests that want one point it at a temporary directory.
