@@ -106,6 +106,7 @@ def test_bad_setups_are_rejected():
     AdaptiveK(2, decay=0.0)
 
 
+@pytest.mark.slow
 def test_greedy_exact_while_k_changes_and_the_draft_catches_up():
   """Exploring every other call makes k change between calls, through 0 and back: greedy
   SD equals AR, and the draft model re-prefills what it missed (an identical draft

@@ -4,9 +4,12 @@ the breakdown, finite and positive."""
 import json
 import math
 
+import pytest
+
 from spec_rl_jax.bench import learner as bench
 
 
+@pytest.mark.slow
 def test_quick_run_writes_the_summary_ratios_and_breakdown(tmp_path):
   out = tmp_path / "learner.json"
   bench.main(["--quick", "--preset", "tiny-qwen3", "--responses", "8",

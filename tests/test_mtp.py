@@ -170,6 +170,7 @@ def one_layer_policy():
   return model
 
 
+@pytest.mark.slow
 def test_copying_heads_draft_the_policy(one_layer_policy):
   """Greedy SD with heads that copy a one-layer policy accepts every draft: K = D_m, so
   every module drafts over its window, and every round is all-accepted (the newest

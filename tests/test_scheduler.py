@@ -61,7 +61,7 @@ def _same(a, b):
 
 
 @pytest.mark.parametrize("policy,sampling", [
-    pytest.param("kv_aware", SAMPLED, id="kv_aware-sampled"),
+    pytest.param("kv_aware", SAMPLED, id="kv_aware-sampled", marks=pytest.mark.slow),
     pytest.param("kv_aware", GREEDY, id="kv_aware-greedy", marks=pytest.mark.slow),
     pytest.param("naive", SAMPLED, id="naive-sampled", marks=pytest.mark.slow),
     pytest.param("naive", GREEDY, id="naive-greedy", marks=pytest.mark.slow)])

@@ -39,7 +39,8 @@ def test_greedy_self_sparse_equals_ar(target, greedy_ar, K, reselect):
   assert 0 < m["accepted_tokens"] < m["drafted_tokens"] == K * m["slot_rounds"]
 
 
-@pytest.mark.parametrize("budget", [dict(n_sink=1, n_window=1, fraction=1.0),
+@pytest.mark.parametrize("budget", [pytest.param(dict(n_sink=1, n_window=1, fraction=1.0),
+                                                 marks=pytest.mark.slow),
                                     pytest.param(dict(n_sink=1, n_window=2, pages=12),
                                                  marks=pytest.mark.slow)],
                          ids=["fraction_1", "all_pages"])

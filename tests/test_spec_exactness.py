@@ -84,7 +84,7 @@ def _sample(target, proposer, params, n=N_SAMPLES):
 
 # The default tier: a deterministic drafter (q = point mass) and a stochastic one with
 # top-p (residual over a truncated support); the rest of the grid is slow.
-FAST = [("point_mass_unlikely", 0.7, 1.0), ("sharper", 1.0, 0.9)]
+FAST = [("sharper", 1.0, 0.9)]
 ALL = [(k, t, tp) for k in ("uniform", "point_mass_unlikely", "sharper", "q_equals_p")
        for t in (0.7, 1.0) for tp in (1.0, 0.9)]
 

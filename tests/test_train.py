@@ -19,7 +19,7 @@ def models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("proposer,K", [("draft_model", 3), ("ngram", "auto"),
-                                        ("self_sparse", 2),
+                                        pytest.param("self_sparse", 2, marks=pytest.mark.slow),
                                         pytest.param("eagle3", 2, marks=pytest.mark.slow),
                                         pytest.param("mtp", 2, marks=pytest.mark.slow),
                                         ("draft_model", 0)])
