@@ -14,7 +14,7 @@ from spec_rl_jax.models.config import get_preset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V5P = os.path.join(ROOT, "configs", "qwen3_8b_v5p.yaml")
-SMALL = os.path.join(ROOT, "configs", "qwen3_0.6b.yaml")
+SMALL = os.path.join(ROOT, "configs", "qwen3_0.6b_gsm8k.yaml")
 
 # tiny-qwen3 (V=128, D=64, F=128, L=2, H=4, Hk=2, Dh=16, tied, fp32) on fsdp=2 x tensor=2.
 TINY = ["plan.policy_model=tiny-qwen3", "policy.path=/nonexistent", "policy.mesh=[1,2,2]",
