@@ -334,7 +334,23 @@ def stale_targets(targets: Sequence[str]) -> list[str]:
   models = report.get("models", {})
   old_tokenizer = report.get("tokenizer_spec") != default_tokenizer_spec()
   return [t for t in targets if os.path.exists(os.path.join(root, t))
-          and (old_tokenizer or models.get(t, {}).get("recipe") != _recipe(TARGETS[t]))]
+          and (old_tokenizer or not _same_recipe(models.get(t, {}).get("recipe"),
+                                                 TARGETS[t]))]
+
+
+def _same_recipe(built: dict | None, today: SFTConfig) -> bool:
+  """Whether a model recorded as built by ``built`` is today's recipe ``today``. A field
+  the record lacks was added by a later release: it matches at its default (the option
+  it adds is off), so adding a field does not retrain every cache."""
+  if built is None:
+    return False
+  now = _recipe(today)
+  defaults = _recipe(SFTConfig(**{f.name: getattr(today, f.name)
+                                  for f in dataclasses.fields(SFTConfig)
+                                  if f.default is dataclasses.MISSING
+                                  and f.default_factory is dataclasses.MISSING}))
+  return set(built) <= set(now) and all(
+      built[k] == v if k in built else v == defaults[k] for k, v in now.items())
 
 
 def produce(targets: Sequence[str], overrides: dict[str, Any], progress: bool = True,

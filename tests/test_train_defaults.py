@@ -1,5 +1,6 @@
 """The no-argument run trains the missing default models into the cache first."""
 
+import dataclasses
 import json
 import os
 
@@ -49,6 +50,18 @@ def test_defaults_from_an_older_recipe_are_rebuilt(tmp_path, monkeypatch):
   _cache(tmp_path, {**today, "draft": {**today["draft"], "data": ["task:countdown"]}}, spec)
   assert sft.stale_targets(["policy", "draft"]) == ["draft"]
   _cache(tmp_path, {**today, "policy": None}, spec)  # built before recipes were recorded
+  assert sft.stale_targets(["policy", "draft"]) == ["policy"]
+  # Built before a field was added: at its default the recipe is today's, not otherwise.
+  older = {t: {k: v for k, v in r.items() if k not in ("head", "head_options")}
+           for t, r in today.items()}
+  _cache(tmp_path, older, spec)
+  assert sft.stale_targets(["policy", "draft"]) == []
+  monkeypatch.setitem(sft.TARGETS, "policy",
+                      dataclasses.replace(sft.TARGETS["policy"], head="mtp"))
+  assert sft.stale_targets(["policy", "draft"]) == ["policy"]
+  monkeypatch.undo()
+  monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path))
+  _cache(tmp_path, {**today, "policy": {**today["policy"], "no_such_field": 1}}, spec)
   assert sft.stale_targets(["policy", "draft"]) == ["policy"]
   _cache(tmp_path, today, "another corpus")
   assert sft.stale_targets(["policy", "draft"]) == ["policy", "draft"]
