@@ -179,7 +179,8 @@ def test_per_call_draft_length_keeps_greedy_exact_and_compiles_per_k(policy):
 def test_set_weights_copies_so_the_learner_may_donate(policy):
   """The engine keeps copies: donating the model's buffers (as the learner's update
   does) leaves the engine working; ``set_weights`` versions the tokens after it."""
-  model = nnx.merge(nnx.graphdef(policy), nnx.state(policy))
+  # Buffers of its own: the donations below must not reach the module's shared policy.
+  model = nnx.merge(nnx.graphdef(policy), jax.tree.map(jnp.copy, nnx.state(policy)))
   engine = RolloutEngine(model, _config(0, num_slots=2, eos_ids=(), round_budget=4))
   reqs = _requests(2)
   before = engine.generate(reqs)
