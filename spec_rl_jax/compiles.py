@@ -11,6 +11,7 @@ show that warm calls compile nothing.
 from __future__ import annotations
 
 import os
+import threading
 
 import jax
 
@@ -33,10 +34,12 @@ def use_persistent_cache() -> str | None:
 
 
 class CompileCounter:
-  """Counts the XLA executables built while the context is active (``count``: JAX times
-  a persistent-cache load as a backend compile, so loads count too and "nothing
-  compiled" holds with or without a cache), and the seconds spent on them (``seconds``:
-  tracing to a jaxpr, lowering to MLIR and the backend compile or cache load)."""
+  """Counts the XLA executables the entering thread builds while the context is active
+  (``count``: JAX times a persistent-cache load as a backend compile, so loads count too
+  and "nothing compiled" holds with or without a cache), and the seconds spent on them
+  (``seconds``: tracing to a jaxpr, lowering to MLIR and the backend compile or cache
+  load). JAX compiles on the calling thread, so another thread's compiles (the rollout
+  thread of async RL) are not counted."""
 
   _EVENT = "/jax/core/compile/backend_compile_duration"
   _TIMED = (_EVENT, "/jax/core/compile/jaxpr_trace_duration",
@@ -47,10 +50,14 @@ class CompileCounter:
   def __init__(self):
     self.count = 0
     self.seconds = 0.0
+    self._thread = threading.get_ident()
 
   @classmethod
   def _listener(cls, event: str, duration: float, *_args, **_kw) -> None:
-    for c in cls._active:
+    thread = threading.get_ident()
+    for c in list(cls._active):
+      if c._thread != thread:
+        continue
       if event == cls._EVENT:
         c.count += 1
       if event in cls._TIMED:
@@ -60,6 +67,7 @@ class CompileCounter:
     if not CompileCounter._registered:
       jax.monitoring.register_event_duration_secs_listener(CompileCounter._listener)
       CompileCounter._registered = True
+    self._thread = threading.get_ident()
     CompileCounter._active.append(self)
     return self
 

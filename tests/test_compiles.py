@@ -1,6 +1,7 @@
 """Where compiled programs persist (`use_persistent_cache`), and compile counting."""
 
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +39,31 @@ def test_compile_counter_counts_compiles_and_their_seconds():
     f(x).block_until_ready()
   assert first.count == 1 and first.seconds > 0
   assert again.count == 0 and again.seconds == 0
+
+
+def test_compile_counter_counts_its_own_threads_compiles_only():
+  """Async RL compiles on two threads at once: each phase's counter sees its own."""
+  f = jax.jit(lambda x: jnp.sin(x) @ x.T - 1.0)
+  g = jax.jit(lambda x: jnp.exp(x) @ x.T + 2.0)
+  x = jnp.ones((16, 16))
+  entered, done = threading.Barrier(2), threading.Event()
+  other = {}
+
+  def in_other_thread():
+    with CompileCounter() as c:
+      entered.wait()
+      g(x).block_until_ready()
+    other["count"] = c.count
+    done.set()
+
+  thread = threading.Thread(target=in_other_thread)
+  thread.start()
+  with CompileCounter() as mine:
+    entered.wait()
+    done.wait(timeout=60)  # the other thread's compile happens while this counter is open
+    f(x).block_until_ready()
+  thread.join(timeout=60)
+  assert mine.count == 1 and other["count"] == 1
 
 
 def test_compile_counter_counts_persistent_cache_loads(tmp_path):
