@@ -165,9 +165,20 @@ class RolloutConfig:
   num_pages: int = 1024
   round_budget: int = 64
   seed: int = 0
+  # Placement: [] generates on the policy's mesh (rollouts and updates share the
+  # devices); a (data, fsdp, tensor) shape, on devices of its own from ``first_device``
+  # (default: right after the policy's), gets the weights copied across every update.
+  mesh: tuple[int, ...] = ()
+  first_device: int | None = None
 
   def __post_init__(self):
     _check_choice("rollout.on_long_prompt", self.on_long_prompt, LONG_PROMPT_POLICIES)
+    if self.mesh and (len(self.mesh) != 3 or min(self.mesh) < 1):
+      raise ConfigError(f"rollout.mesh must be [] or [data, fsdp, tensor] of positive"
+                        f" sizes, got {list(self.mesh)}")
+    if self.first_device is not None and (not self.mesh or self.first_device < 0):
+      raise ConfigError(f"rollout.first_device={self.first_device} needs a rollout.mesh"
+                        " and a device index >= 0")
 
 
 @dataclasses.dataclass(frozen=True)

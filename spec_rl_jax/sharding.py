@@ -53,6 +53,34 @@ def make_mesh(shape: Sequence[int] = (1, 1, 1), devices=None) -> Mesh:
   return Mesh(np.asarray(devices[:n]).reshape(tuple(shape)), MESH_AXES)
 
 
+def placement(policy_shape: Sequence[int], rollout_shape: Sequence[int] = (),
+              rollout_first_device: int | None = None, devices=None) -> tuple[Mesh, Mesh]:
+  """``(policy mesh, rollout mesh)``: the learner's mesh over the first devices and the
+  rollout engine's.
+
+  An empty ``rollout_shape`` shares the policy's mesh (rollouts and updates interleave
+  on the same devices); otherwise the rollout mesh is a disjoint sub-mesh starting at
+  ``rollout_first_device`` (default: right after the policy's devices), and weights
+  are copied across after every update.
+  """
+  devices = jax.devices() if devices is None else devices
+  policy = make_mesh(policy_shape, devices)
+  if not rollout_shape:
+    return policy, policy
+  n_p, n_r = int(np.prod(policy_shape)), int(np.prod(rollout_shape))
+  first = n_p if rollout_first_device is None else rollout_first_device
+  if first < n_p:
+    raise ValueError(f"rollout.mesh {tuple(rollout_shape)} from device {first} overlaps"
+                     f" policy.mesh {tuple(policy_shape)} (devices 0..{n_p - 1}): the"
+                     f" rollout sub-mesh must start at device {n_p} or later")
+  if first + n_r > len(devices):
+    raise ValueError(f"policy.mesh {tuple(policy_shape)} (devices 0..{n_p - 1}) and"
+                     f" rollout.mesh {tuple(rollout_shape)} (devices {first}.."
+                     f"{first + n_r - 1}) need {first + n_r} devices, only"
+                     f" {len(devices)} present")
+  return policy, make_mesh(rollout_shape, devices[first:first + n_r])
+
+
 def logical_to_spec(axes: Sequence[str | None], shape: Sequence[int],
                     mesh_shape: dict[str, int], rules=RULES) -> P:
   """Maps logical axis names of an array of ``shape`` to a mesh ``PartitionSpec``."""
@@ -116,6 +144,14 @@ def spec_table(state: nnx.State, mesh: Mesh, rules=RULES) -> dict[str, P]:
 def device_put_state(state: Any, mesh: Mesh, rules=RULES):
   """Places a host/device state on ``mesh`` according to its logical axes."""
   return jax.device_put(state, state_shardings(state, mesh, rules))
+
+
+def copy_state(state: Any, mesh: Mesh | None, rules=RULES):
+  """``state`` copied (never aliased: the owner may donate its buffers), on ``mesh`` by
+  its logical axes (None: on the devices it is on)."""
+  if mesh is None:
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
+  return jax.device_put(state, state_shardings(state, mesh, rules), may_alias=False)
 
 
 def mesh_of(tree) -> Mesh | None:

@@ -147,7 +147,9 @@ class Trainer:
     r, G = cfg.rollout, cfg.rollout.group_size
     self.N = r.prompts_per_step * G
     self.T = r.max_prompt_len + r.max_new_tokens
-    self.mesh = sharding.make_mesh(cfg.policy.mesh)
+    # The learner's mesh and the rollout engine's (the same one, or disjoint sub-meshes).
+    self.mesh, self.rollout_mesh = sharding.placement(cfg.policy.mesh, cfg.rollout.mesh,
+                                                      cfg.rollout.first_device)
     ensure_default_models(cfg)
     plan.check(cfg)  # a recipe that does not fit the chips stops here, before any weight
     policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path))
@@ -160,20 +162,23 @@ class Trainer:
       tokenizer.save(os.path.join(cfg.run_dir, checkpoint.TOKENIZER_DIR))
     nnx.update(policy, sharding.device_put_state(nnx.state(policy), self.mesh))
     self.tokenizer = tokenizer
-    self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer, self.mesh,
-                                    config=cfg.drafter.options)
+    self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer,
+                                    self.rollout_mesh, config=cfg.drafter.options)
                      if cfg.drafter.k_max else None)
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens, self._drafter_to_train(),
                            cfg.drafter.train, r.temperature)
     self.learner.check_batch_size(self.N)
     self.engine = RolloutEngine(
         policy, engine_config(cfg, tokenizer.eos_ids), tokenizer, self.proposer,
-        AdaptiveK(cfg.drafter.k_max) if cfg.drafter.adaptive else None)
+        AdaptiveK(cfg.drafter.k_max) if cfg.drafter.adaptive else None,
+        mesh=self.rollout_mesh)
     self.sources = [data.Source.parse(s) for s in cfg.data.sources]
     self.batches = iter(prompt_stream(self.sources, tokenizer, r.prompts_per_step,
                                       cfg.data.seed))
     self.counters = Counters()
     self.step = 0
+    # step -> the data stream's state before the step's batch (rollouts run ahead)
+    self._data_states: dict[int, dict] = {}
     if resume and self.ckpt.latest_step() is not None:
       self._restore()
     self.pipeline = PIPELINES[cfg.rl.mode](
@@ -228,6 +233,28 @@ class Trainer:
   def save(self) -> None:
     self.ckpt.save(self.step, self._ckpt_state(), self.batches, self._meta())
 
+  def _save_after_rollout_failure(self) -> None:
+    """Checkpoints the updates made since the last checkpoint when a step's rollouts
+    failed (the exception then stops the run), so that nothing the learner did is lost.
+
+    The data stream is rewound to the learner's step (in async mode the rollout side
+    draws batches ahead), so ``--resume`` regenerates that step's rollouts from its
+    prompts; the step becomes a barrier (rl/pipeline.py). The proposer's host memory
+    (n-gram references) is kept as it is: it may hold responses of the steps drawn
+    ahead, which changes what is drafted, never what is sampled.
+    """
+    last = self.ckpt.latest_step()
+    if self.step == 0 or (last is not None and last >= self.step):
+      return
+    if self.step in self._data_states:
+      self.batches.set_state(self._data_states[self.step])
+    logging.error("step %d's rollouts failed: checkpointing the %d updates made so far",
+                  self.step + 1, self.step)
+    try:
+      self.save()
+    except Exception:  # noqa: BLE001  the rollouts' exception is the one to raise
+      logging.exception("the checkpoint after the rollouts' failure failed")
+
   def _restore(self) -> None:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             self._ckpt_state())
@@ -274,6 +301,7 @@ class Trainer:
     (the learner's when it trains on them). Runs in the rollout thread in async mode
     (rl/pipeline.py)."""
     G, B = self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
+    self._data_states[t] = self.batches.get_state()
     prompts, records, skipped = self._prompts(t)
     requests = [Request(p, request_id=(t * B + i) * G + g, group_id=t * B + i)
                 for i, p in enumerate(prompts) for g in range(G)]
@@ -321,7 +349,11 @@ class Trainer:
     t = self.step
     bar.set_description(f"step {t + 1} rollout")
     t0 = time.perf_counter()
-    rollouts = self.pipeline.get(t)
+    try:
+      rollouts = self.pipeline.get(t)
+    except Exception:
+      self._save_after_rollout_failure()
+      raise
     self.counters.long_prompts_skipped += rollouts.long_prompts_skipped
     staleness = self._check_staleness(rollouts.batch)
     bar.set_description(f"step {t + 1} update")
@@ -338,6 +370,7 @@ class Trainer:
     self._check_finite(learn)
     if train_draft:
       self._check_draft(learn)
+    self._data_states.pop(t, None)
     self.step += 1
     return {
         **rollouts.metrics,

@@ -158,14 +158,7 @@ def test_a_dying_rollout_thread_stops_the_run(models, tmp_path, parity_prompts,
                                               monkeypatch):
   """The learner raises the rollout thread's exception (as the cause) instead of
   waiting; the last checkpoint stays the resume point; no thread is left behind."""
-  inner = train.Trainer.rollout
-
-  def failing(self, t):
-    if t == 3:
-      raise OSError("disk on fire")
-    return inner(self, t)
-
-  monkeypatch.setattr(train.Trainer, "rollout", failing)
+  _fail_scoring(monkeypatch, call=3)
   run_dir = tmp_path / "run"
   outcome = {}
 
@@ -184,10 +177,50 @@ def test_a_dying_rollout_thread_stops_the_run(models, tmp_path, parity_prompts,
   assert isinstance(error, RolloutThreadError)
   assert isinstance(error.__cause__, OSError) and "disk on fire" in str(error.__cause__)
   assert error.__cause__.__traceback__ is not None
-  ckpt = checkpoint.TrainCheckpointer(str(run_dir))
-  assert ckpt.latest_step() == 2
-  ckpt.close()
   assert not [t for t in threading.enumerate() if t.name == "rollouts"]
+  ckpt = checkpoint.TrainCheckpointer(str(run_dir))
+  assert ckpt.all_steps() == [2, 3]  # the 3 updates made before the failure are kept
+  ckpt.close()
+  _, records = _run(models, run_dir, parity_prompts, resume=True, steps=6, **{
+      "checkpoint.every": 2, "rl.mode": "async", "rl.max_staleness": 1})
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+  # Step 4 regenerates its rollouts after the resume (a barrier), step 5 after the
+  # checkpoint at 4: both fresh.
+  assert [r["rl/staleness_max"] for r in records] == [0, 1, 0, 0, 0, 1]
+
+
+def _fail_scoring(monkeypatch, call: int) -> None:
+  """The rollouts' scoring raises on its ``call``-th call (from 0), once: after the
+  step's batch is drawn and generated."""
+  inner, calls = train.score_batch, []
+
+  def failing(*args, **kw):
+    calls.append(None)
+    if len(calls) == call + 1:
+      raise OSError("disk on fire")
+    return inner(*args, **kw)
+
+  monkeypatch.setattr(train, "score_batch", failing)
+
+
+def test_failed_rollouts_checkpoint_then_resume_as_uninterrupted(models, tmp_path,
+                                                                  parity_prompts,
+                                                                  monkeypatch):
+  """Sync: rollouts failing at step 4 (after a checkpoint at step 2) leave a checkpoint
+  of the 3 updates made with the data stream at step 4's batch; resumed, the run ends
+  with the uninterrupted run's parameters, bit for bit."""
+  every2 = {"steps": 5, "checkpoint.every": 2}
+  straight, _ = _run(models, tmp_path / "straight", parity_prompts, **every2)
+  _fail_scoring(monkeypatch, call=3)
+  with pytest.raises(OSError, match="disk on fire"):
+    _run(models, tmp_path / "failed", parity_prompts, **every2)
+  ckpt = checkpoint.TrainCheckpointer(str(tmp_path / "failed"))
+  assert ckpt.all_steps() == [2, 3]
+  ckpt.close()
+  resumed, records = _run(models, tmp_path / "failed", parity_prompts, resume=True,
+                          **every2)
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+  _assert_same_params(straight, resumed)
 
 
 @pytest.mark.slow
@@ -304,3 +337,54 @@ def test_async_on_one_mesh_of_8_devices(models, tmp_path, parity_prompts):
   assert os.path.basename(summary["timeline"]) == "timeline.png"
   assert [iv[0] for iv in trainer.pipeline.rollouts] == [0, 1, 2, 3]
   assert [iv[0] for iv in trainer.pipeline.updates] == [0, 1, 2, 3]
+
+
+def _devices(tree) -> set[int]:
+  return {d.id for x in jax.tree.leaves(tree) for d in x.sharding.device_set}
+
+
+_DISJOINT = {"policy.mesh": "[1,2,2]", "rollout.mesh": "[1,2,2]", "rl.mode": "async",
+             "learner.loss": "decoupled_ppo"}
+
+
+@pytest.mark.mesh
+def test_disjoint_sub_meshes(models, tmp_path, parity_prompts):
+  """Placement (b): the learner on a (1, 2, 2) mesh over devices 0-3, the engine on one
+  over devices 4-7, weights copied across after every update: with staleness 1 the
+  bound holds and each side stays on its devices."""
+  trainer = train.Trainer(_config(models, tmp_path / "async1", parity_prompts,
+                                  **_DISJOINT, **{"rl.max_staleness": 1}))
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  records = read_metrics(str(tmp_path / "async1"))
+  assert [r["rl/staleness_max"] for r in records] == [0, 1, 1, 1]
+  assert _devices(trainer.learner.state["params"]) == {0, 1, 2, 3}
+  assert _devices((trainer.engine.state.cache.layers, trainer.engine.state.history)) == {
+      4, 5, 6, 7}
+  assert trainer.engine.version == 4
+
+
+@pytest.mark.slow
+@pytest.mark.mesh
+def test_disjoint_sub_meshes_match_one_shared_mesh(models, tmp_path, parity_prompts):
+  """Async with staleness 0 on disjoint sub-meshes is the sync run on one shared
+  (1, 2, 2) mesh (placement (a)), bit for bit."""
+  shared, _ = _run(models, tmp_path / "shared", parity_prompts, **{"policy.mesh": "[1,2,2]"})
+  async0, _ = _run(models, tmp_path / "async0", parity_prompts, **_DISJOINT)
+  _assert_same_params(shared, async0)
+
+
+@pytest.mark.parametrize("extra,message", [
+    ({"rollout.mesh": "[1,2,4]"}, r"need 12 devices, only 8 present"),
+    ({"rollout.mesh": "[1,1,2]", "rollout.first_device": 2},
+     r"from device 2 overlaps policy.mesh \(1, 2, 2\) \(devices 0..3\)"),
+])
+def test_bad_placement_stops_before_loading(tmp_path, extra, message):
+  """A placement that overlaps or asks for absent devices stops before any weight is
+  loaded (the policy path does not even exist)."""
+  cfg = load_config(None, [f"run_dir={tmp_path}", "policy.path=/nonexistent",
+                           "policy.mesh=[1,2,2]", *(f"{k}={v}" for k, v in extra.items())])
+  with pytest.raises(ValueError, match=message):
+    train.Trainer(cfg)

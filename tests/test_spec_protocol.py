@@ -360,10 +360,26 @@ def test_drafters_on_the_mesh(mesh_policy, single_device_runs, mesh_shape, name)
 
 
 @pytest.mark.mesh
-def test_a_drafter_on_another_mesh_is_rejected(policy):
-  mesh = sharding.make_mesh((1, 1, 2))
-  other = sharding.make_mesh((1, 1, 2), devices=jax.devices()[4:6])
-  on_mesh = nnx.merge(nnx.graphdef(policy), sharding.device_put_state(nnx.state(policy), mesh))
-  draft = init_decoder(CFG, seed=1, mesh=other)
-  with pytest.raises(ValueError, match="other devices than the policy"):
-    RolloutEngine(on_mesh, _config(2), proposer=DraftModelProposer(DraftModelConfig(), draft))
+def test_an_engine_on_devices_of_its_own(mesh_policy, single_device_runs):
+  """Placement on disjoint sub-meshes: the policy on devices 0-3, the drafter on 4-5,
+  the engine on a (1, 2, 2) mesh over devices 4-7. The engine keeps its pools (and its
+  weight copies) there and generates what the single-device engine does."""
+  draft, reqs, ref = single_device_runs
+  devices = jax.devices()
+  learner_mesh = sharding.make_mesh((1, 2, 2), devices[:4])
+  engine_mesh = sharding.make_mesh((1, 2, 2), devices[4:])
+  place = lambda m, mesh: nnx.merge(  # noqa: E731
+      nnx.graphdef(m), sharding.device_put_state(nnx.state(m), mesh))
+  policy = place(mesh_policy, learner_mesh)
+  drafter = place(draft, sharding.make_mesh((1, 1, 2), devices[4:6]))
+  for sampling in (GREEDY, PLAIN):
+    engine = RolloutEngine(policy, _config(3, sampling=sampling), mesh=engine_mesh,
+                           proposer=DraftModelProposer(DraftModelConfig(), drafter))
+    pools = jax.tree.leaves((engine.state.cache.layers, engine.state.proposer.pools))
+    assert all(x.sharding.mesh == engine_mesh for x in pools)
+    out = engine.generate(reqs)
+    want = ref(None if sampling is GREEDY else "draft_model")
+    assert [r.tokens for r in out.responses] == [r.tokens for r in want.responses]
+    if sampling is PLAIN:
+      for x, y in zip(out.responses, want.responses):
+        np.testing.assert_allclose(x.policy_logprobs, y.policy_logprobs, rtol=0, atol=1e-5)

@@ -50,14 +50,6 @@ _CPU_INFERENCE_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type":
                           "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
-def _copy_state(model: Decoder, mesh: Mesh | None):
-  """The model's state copied (never aliased), on ``mesh`` by the logical rules."""
-  state = nnx.state(model)
-  if mesh is None:
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding, may_alias=False), state)
-  return jax.device_put(state, sharding.state_shardings(state, mesh), may_alias=False)
-
-
 class StackedLayout:
   """The accelerator layout: stacked layer weights, scanned."""
 
@@ -67,7 +59,7 @@ class StackedLayout:
   def weights(self, model: Decoder, rows: int, mesh: Mesh | None = None) -> Weights:
     """``model``'s weights for programs whose matmuls have ``rows`` rows, on ``mesh``."""
     del rows
-    return Weights(_copy_state(model, mesh), None)
+    return Weights(sharding.copy_state(nnx.state(model), mesh), None)
 
 
 class CpuLayerCopies(StackedLayout):
@@ -79,7 +71,7 @@ class CpuLayerCopies(StackedLayout):
   def weights(self, model: Decoder, rows: int, mesh: Mesh | None = None) -> Weights:
     if not isinstance(model, Decoder):  # draft heads: one layer (or a few), not scanned
       return super().weights(model, rows, mesh)
-    state = _copy_state(model, mesh)
+    state = sharding.copy_state(nnx.state(model), mesh)
     _, stacked = nnx.split(nnx.merge(nnx.graphdef(model), state).layers)
     input_major = rows >= INPUT_MAJOR_MIN_ROWS
 

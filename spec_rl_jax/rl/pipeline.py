@@ -9,12 +9,16 @@ itself (`exclusive`). The pipeline decides where and when rollouts are generated
          updates), once step t - 1's update is done;
   async  a host thread generates them ahead, by version ``v(t)`` (`Schedule.version`),
          while the learner's thread updates: the rollouts of step t + 1 overlap the
-         update of step t on the same devices, the two threads' programs interleaving
-         through JAX's asynchronous dispatch. The rollout thread owns the engine, the
-         proposer's host memory and the data stream between barriers; weights reach it
-         as copies (the learner donates its buffers to its next update) and it installs
-         them with ``RolloutEngine.set_weights(..., version)``, which records every
-         token's version.
+         update of step t. The rollout thread owns the engine, the proposer's host
+         memory and the data stream between barriers; weights reach it as copies on
+         the engine's mesh (the learner donates its buffers to its next update) and it
+         installs them with ``RolloutEngine.set_weights(..., version)``, which records
+         every token's version.
+
+Placement (``rollout.mesh``), the same code for both: (a) the engine on the learner's
+mesh, the two threads' programs interleaving on the same devices through JAX's
+asynchronous dispatch; (b) the engine on a disjoint sub-mesh, the published weights
+copied across (device to device) after each update.
 
 Staleness. Step t trains at version t on rollouts of version ``v(t)``, a function of
 the config alone::
@@ -53,9 +57,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
+from spec_rl_jax import sharding
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rollout.engine import RolloutEngine
 
@@ -95,12 +99,13 @@ class Rollouts:
   long_prompts_skipped: int = 0
 
 
-def _copy(model: Decoder | None) -> Decoder | None:
-  """``model`` on buffers of its own (device copies, dispatched asynchronously)."""
+def _copy(model: Decoder | None, mesh: jax.sharding.Mesh) -> Decoder | None:
+  """``model`` on buffers of its own on ``mesh`` (the engine's: the learner's own, or
+  a disjoint one), dispatched asynchronously."""
   if model is None:
     return None
   graphdef, state = nnx.split(model)
-  return nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+  return nnx.merge(graphdef, sharding.copy_state(state, mesh))
 
 
 class Pipeline:
@@ -240,7 +245,8 @@ class AsyncPipeline(Pipeline):
 
   def publish(self, version: int, policy: Decoder, drafter: Decoder | None) -> None:
     with self._cv:
-      self._weights[version] = (_copy(policy), _copy(drafter))
+      mesh = self.engine.mesh
+      self._weights[version] = (_copy(policy, mesh), _copy(drafter, mesh))
       if not self.schedule.barrier(version):
         self._released = version
         self._cv.notify_all()

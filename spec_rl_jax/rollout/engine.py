@@ -58,12 +58,16 @@ class RolloutEngine:
 
   ``proposer`` drafts up to ``config.max_draft_tokens`` tokens per round; ``controller``
   picks the draft length of each device call (default: always the maximum);
-  ``layout`` is the backend's inference weight layout (default: `layout.for_backend`).
+  ``layout`` is the backend's inference weight layout (default: `layout.for_backend`);
+  ``mesh``: the devices the engine runs on (default: the policy's mesh, or one device),
+  where it keeps its KV pools and its copies of the policy's and the drafter's weights,
+  from wherever those are given (e.g. a learner on other devices).
   """
 
   def __init__(self, model: Decoder, config: EngineConfig, tokenizer: Tokenizer | None = None,
                proposer: Proposer | None = None, controller: SpecController | None = None,
-               layout: layouts.StackedLayout | None = None):
+               layout: layouts.StackedLayout | None = None,
+               mesh: jax.sharding.Mesh | None = None):
     K = config.max_draft_tokens
     if (K > 0) != (proposer is not None):
       raise ValueError("max_draft_tokens > 0 needs a proposer, and a proposer needs"
@@ -79,7 +83,9 @@ class RolloutEngine:
     self.config, self.model_config = config, model.cfg
     self.tokenizer, self.proposer = tokenizer, proposer
     self.layout = layouts.for_backend() if layout is None else layout
-    self.mesh = sharding.mesh_of(nnx.state(model)) or sharding.make_mesh((1, 1, 1))
+    if mesh is None:
+      mesh = sharding.mesh_of(nnx.state(model)) or sharding.make_mesh((1, 1, 1))
+    self.mesh = mesh
     self.version = 0
     self._draft_weights = None
     self._install(model, proposer.model() if proposer is not None else None)
@@ -114,15 +120,6 @@ class RolloutEngine:
     if proposer.vocab_size is not None and proposer.vocab_size != model.cfg.vocab_size:
       raise ValueError(f"proposer vocab_size {proposer.vocab_size} != policy vocab_size"
                        f" {model.cfg.vocab_size}")
-    draft = proposer.model()
-    if draft is not None:
-      dmesh, pmesh = sharding.mesh_of(nnx.state(draft)), sharding.mesh_of(nnx.state(model))
-      if dmesh is not None and dmesh != pmesh:
-        raise ValueError(f"the drafter's weights are on mesh {dict(dmesh.shape)} over"
-                         f" other devices than the policy's"
-                         f" ({dict(pmesh.shape) if pmesh else 'one device'}): place both"
-                         " on one mesh, or leave the drafter on one device (the engine"
-                         " then places it on the policy's mesh)")
 
   def _install(self, policy: Decoder, drafter: Decoder | None) -> None:
     """Lays out (copies) ``policy``'s weights, and ``drafter``'s when given."""
