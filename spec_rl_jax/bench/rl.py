@@ -32,6 +32,9 @@ side by side in one process:
      (verifying K + 1 tokens costs about K + 1 times one) and long responses make the
      rollout a larger share of the step: the sweep shows both.
 
+``--mode sync,async[:N],...`` compares RL modes (sync vs async at staleness N) instead,
+all with the recipe's speculative rollouts: bench/rl_async.py.
+
 ``--quick`` (fewer seeds, steps and cells) produces every headline figure in a few
 minutes; ``--seeds/--steps/--eval-n/--eval-every/--batches/--lengths/--sweep-steps``
 replace the plan's fields (e.g. a long-response recipe, ``--config
@@ -67,7 +70,8 @@ PHASES = ("rollout", "reward", "update", "step")
 # What the JSON keeps of every step of part 1 (``steps``), to re-derive any ratio.
 STEP_FIELDS = ("time/rollout_s", "time/reward_s", "time/update_s", "time/step_s",
                "time/rollout_decode_s", "time/rollout_compile_s", "time/update_compile_s",
-               "rollout/response_len", "rollout/reward_mean", "spec/acceptance_length")
+               "time/learner_idle_frac", "rollout/response_len", "rollout/reward_mean",
+               "spec/acceptance_length")
 SYSTEMS = ("AR", "SD")
 
 
@@ -166,6 +170,33 @@ def net_s(record: dict, phase: str) -> float:
   return record[f"time/{phase}_s"] - sum(record[f"time/{p}_compile_s"] for p in parts)
 
 
+def learner_net_s(step: dict) -> float:
+  """A JSON step record's (``steps``) learner seconds less the XLA compiles it waited
+  for: its update's, and of its rollout's only those the learner sat through (async: a
+  rollout compiling during the previous update delays the learner by what is left of
+  its compile when the update ends; sync: `net_s` of the step)."""
+  return step["step_s"] - step["update_compile_s"] - min(step["rollout_compile_s"],
+                                                         learner_wait_s(step))
+
+
+def learner_wait_s(step: dict) -> float:
+  """Seconds the step's learner waited for its rollouts (a JSON step record)."""
+  return step["learner_idle_frac"] * step["step_s"]
+
+
+def final_reward(rewards: list[float]) -> float:
+  """A run's final reward: the mean of its last third of steps (at least one)."""
+  return float(np.mean(rewards[-max(len(rewards) // 3, 1):]))
+
+
+def seed_std(finals: dict[str, list[float]]) -> float | None:
+  """The seed-to-seed standard deviation of the final reward, averaged over systems;
+  ``None`` with one seed (a difference then has no scale to be read against)."""
+  if len(next(iter(finals.values()))) < 2:
+    return None
+  return float(np.mean([np.std(f, ddof=1) for f in finals.values()]))
+
+
 def split(records: list[dict]) -> dict:
   """Median phase times over the warm steps; the first (compiling) step apart."""
   warm = records[1:]
@@ -240,25 +271,22 @@ def run_seeds(base: TrainConfig, plan: Plan, tmp: str
     for s in SYSTEMS:
       rewards = [r["rollout/reward_mean"] for r in records[s]]
       curves[s][seed] = rewards
-      finals[s].append(float(np.mean(rewards[-max(len(rewards) // 3, 1):])))
+      finals[s].append(final_reward(rewards))
       rows.append({"case": "runs", "seed": seed, "system": s, **split(records[s]),
                    "reward_mean": float(np.mean(rewards)), "reward_final": finals[s][-1]})
       steps += [{"seed": seed, "system": s, "step": i + 1,
                  **{k.split("/")[1]: r[k] for k in STEP_FIELDS}}
                 for i, r in enumerate(records[s])]
     pairs += list(zip(records["AR"][1:], records["SD"][1:]))
-  # Seed-to-seed spread needs two seeds; with one (or all finals equal) the difference
-  # has no scale to be read against: null.
-  seed_std = (float(np.mean([np.std(finals[s], ddof=1) for s in SYSTEMS]))
-              if len(plan.seeds) > 1 else None)
+  std = seed_std(finals)
   diff = float(np.mean(finals["SD"]) - np.mean(finals["AR"]))
   summary = {
       **recipe_speedups(pairs),
       "final_reward_ar": float(np.mean(finals["AR"])),
       "final_reward_sd": float(np.mean(finals["SD"])),
       "final_reward_diff_sd_minus_ar": diff,
-      "final_reward_seed_std": seed_std,
-      "final_reward_diff_over_seed_std": diff / seed_std if seed_std else None,
+      "final_reward_seed_std": std,
+      "final_reward_diff_over_seed_std": diff / std if std else None,
   }
   return rows, summary, curves, steps, held_out
 
@@ -312,11 +340,9 @@ def draw_system(axes, system: str, color: str, steps: list[dict],
                  key=lambda r: r["step"]) for seed in seeds]
   t = np.array([r["step"] for r in runs[0]])
   rewards = np.array([[r["reward_mean"] for r in run] for run in runs])
-  # A step's seconds less its compiles (`net_s` on the JSON's step records): a short
-  # run's compiles (SD's take longer) would otherwise dominate a clock that a long run
-  # pays them on once.
-  seconds = np.mean([np.cumsum([r["step_s"] - r["rollout_compile_s"] - r["update_compile_s"]
-                                for r in run]) for run in runs], axis=0)
+  # A step's seconds less its compiles: a short run's compiles (SD's take longer) would
+  # otherwise dominate a clock that a long run pays them on once.
+  seconds = np.mean([np.cumsum([learner_net_s(r) for r in run]) for run in runs], axis=0)
   window = trend_window(len(t))
   label = system if len(runs) == 1 else f"{system}, mean of {len(runs)} seeds"
   for ax, x in zip(axes[0], (t, seconds)):
@@ -333,15 +359,18 @@ def draw_system(axes, system: str, color: str, steps: list[dict],
       draw_held_out(ax, series, color, f"{system}: ", x)
 
 
-def plot_runs(path: str, steps: list[dict], held_out: list[dict]) -> str:
-  """Part 1's figure: AR and SD reward (and held-out accuracy, when evaluated) against
-  steps and against training seconds, where SD's faster steps show; writes ``path``."""
+def plot_runs(path: str, steps: list[dict], held_out: list[dict],
+              systems: tuple[str, ...] = SYSTEMS,
+              title: str = "GRPO rollout reward, AR vs SD rollouts") -> str:
+  """Part 1's figure: each system's reward (and held-out accuracy, when evaluated)
+  against steps and against training seconds, where faster steps show; writes
+  ``path``."""
   rows = 2 if held_out else 1
   fig = Figure(figsize=(12, 4.2 * rows))
   axes = fig.subplots(rows, 2, sharex="col", squeeze=False)
-  for i, system in enumerate(SYSTEMS):
+  for i, system in enumerate(systems):
     draw_system(axes, system, f"C{i}", steps, held_out)
-  axes[0, 0].set_title("GRPO rollout reward, AR vs SD rollouts")
+  axes[0, 0].set_title(title)
   axes[0, 1].set_title("the same against training time")
   for ax in axes[0]:
     ax.set_ylabel("rollout reward (mean)")
@@ -400,8 +429,12 @@ def plan_from_args(args: argparse.Namespace) -> Plan:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", default=None, help="a recipe (default: the CPU default)")
+  parser.add_argument("--mode", default=None,
+                      help="compare RL modes instead (bench/rl_async.py), e.g. sync,async"
+                      " or sync,async:1,async:2 (async: staleness 1; async:N: N)")
   parser.add_argument("--quick", action="store_true", help="fewer seeds, steps and cells")
-  parser.add_argument("--out", default=common.default_out("rl"))
+  parser.add_argument("--out", default=None, help="the JSON (default: results/"
+                      "bench_rl.json, with --mode results/bench_rl_modes.json)")
   parser.add_argument("--seeds", default=None, help="runs: seeds, e.g. 0,1,2")
   parser.add_argument("--steps", type=int, default=None, help="runs: steps per run")
   parser.add_argument("--eval-n", type=int, default=None,
@@ -415,12 +448,17 @@ def main(argv=None) -> dict:
                       help="sweep: measured steps per system and cell")
   parser.add_argument("overrides", nargs="*", help="section.field=value for every run")
   args = parser.parse_args(argv)
+  args.out = args.out or common.default_out("rl_modes" if args.mode else "rl")
   base = load_config(args.config, args.overrides)
   plan = plan_from_args(args)
   with tempfile.TemporaryDirectory() as tmp:
     # Trainers of equal shapes (every seed, every system's learner) compile once.
     jax.config.update("jax_compilation_cache_dir", os.path.join(tmp, "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if args.mode:
+      from spec_rl_jax.bench import rl_async  # it builds on this module's helpers
+      return rl_async.main(base, plan, args.mode, tmp, args.out, args.quick,
+                           args.config or "default")
     run_rows, summary, curves, steps, held_out = run_seeds(base, plan, tmp)
     print(f"runs: {base.rollout.prompts_per_step}x{base.rollout.group_size} responses,"
           f" max_new_tokens {base.rollout.max_new_tokens}, seeds {list(plan.seeds)},"
