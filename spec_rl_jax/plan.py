@@ -8,8 +8,9 @@ allocated and no weights are read: the models are ``eval_shape``'d from their co
 (a checkpoint's ``config.json`` or run metadata, else the recipe's ``plan.policy_model``
 / ``plan.draft_model`` presets), every array is laid out by `sharding.RULES` on an
 ``AbstractMesh`` of the recipe's ``policy.mesh``, and a chip's share of an array is its
-``NamedSharding.shard_shape``. The trainer runs the same `check` before it loads a
-weight.
+``NamedSharding.shard_shape``. With the rollout engine on a sub-mesh of its own
+(``rollout.mesh``) the learner's chips and the engine's get a plan each. The trainer
+runs the same `check` before it loads a weight.
 
 What is counted, per chip:
 
@@ -108,6 +109,7 @@ class Plan:
   rows: tuple[tuple[str, int], ...]
   capacity: int | None
   chip: str  # what ``capacity`` is: a chip of `CHIPS` or the devices' own report
+  role: str = ""  # whose chips, when the learner and the engine have their own
 
   @property
   def total(self) -> int:
@@ -126,7 +128,9 @@ class Plan:
     chips = math.prod(n for _, n in self.mesh)
     mesh = " ".join(f"{a}={n}" for a, n in self.mesh)
     width = max(len(name) for name, _ in self.rows) + 2
-    lines = [f"per-chip memory plan: {chips} chip{'s' * (chips > 1)} ({self.chip}), mesh {mesh}",
+    whose = f" of the {self.role}" if self.role else ""
+    lines = [f"per-chip memory plan{whose}: {chips} chip{'s' * (chips > 1)} ({self.chip}),"
+             f" mesh {mesh}",
              *(f"  {name:<{width}}{b / GiB:9.2f} GiB" for name, b in self.rows),
              f"  {'total':<{width}}{self.total / GiB:9.2f} GiB"]
     if self.capacity is None:
@@ -143,13 +147,14 @@ class Plan:
   def error(self) -> str:
     """The refusal, with the plan's numbers."""
     top = sorted(self.rows, key=lambda r: -r[1])[:4]
-    return (f"the recipe does not fit {self.chip}: it needs {self.total / GiB:.2f} GiB per"
-            f" chip against {self.budget / GiB:.2f} GiB usable ({self.capacity / GiB:.2f} GiB"
+    whose = f" ({self.role})" if self.role else ""
+    return (f"the recipe does not fit {self.chip}{whose}: it needs {self.total / GiB:.2f}"
+            f" GiB per chip against {self.budget / GiB:.2f} GiB usable ({self.capacity / GiB:.2f} GiB"
             f" less a {RESERVE:.0%} reserve); largest: "
             + ", ".join(f"{name} {b / GiB:.2f} GiB" for name, b in top)
             + ". Shrink rollout.num_pages, rollout.num_slots or learner.micro_batch_size,"
-            " set learner.rematerialize=true, or spread over more chips (policy.mesh; KV"
-            " pools split over the tensor axis only).\n" + self.table())
+            " set learner.rematerialize=true, or spread over more chips (policy.mesh,"
+            " rollout.mesh; KV pools split over the tensor axis only).\n" + self.table())
 
 
 # --------------------------------------------------------------------------- shapes
@@ -368,41 +373,51 @@ def _engine_state_bytes(cfg: TrainConfig, policy: Decoder, proposer, mesh: Abstr
   return kv, drafter, _chip_bytes(state, shardings) - kv - drafter
 
 
-def plan(cfg: TrainConfig, capacity: int | None = None, chip: str = "") -> Plan:
-  """The per-chip plan of ``cfg`` on its ``policy.mesh``, against ``capacity`` bytes."""
-  mesh = abstract_mesh(cfg.policy.mesh)
-  shape = dict(mesh.shape)
+def plan(cfg: TrainConfig, capacity: int | None = None, chip: str = "") -> tuple[Plan, ...]:
+  """The per-chip plan of ``cfg`` against ``capacity`` bytes: one for the policy's mesh
+  (learner and rollout engine), or, with the engine on a sub-mesh of its own
+  (``rollout.mesh``), one for the learner's chips and one for the engine's."""
+  learner_mesh = abstract_mesh(cfg.policy.mesh)
+  engine_mesh = abstract_mesh(cfg.rollout.mesh) if cfg.rollout.mesh else learner_mesh
   policy = abstract_decoder(model_config(cfg.policy.path, cfg.plan.policy_model,
                                          "plan.policy_model"))
   proposer = _proposer(cfg, policy)
   drafter = proposer.model() if proposer is not None else None
   trains = bool(cfg.drafter.train.every) and isinstance(drafter, Decoder)
-  p = _weights_bytes(policy, mesh)
-  rows = [("policy params", p),
-          ("policy Adam moments",
-           _optimizer_bytes(rl_learner.make_optimizer(cfg.learner), policy, mesh)),
-          ("policy gradients", p)]
+  p = _weights_bytes(policy, learner_mesh)
+  learner = [("policy params", p),
+             ("policy Adam moments",
+              _optimizer_bytes(rl_learner.make_optimizer(cfg.learner), policy, learner_mesh)),
+             ("policy gradients", p)]
   if cfg.learner.kl_coef > 0:
-    rows.append(("reference policy (learner.kl_coef > 0)", p))
-  rows.append(("policy weights, rollout engine's copy", p))
-  kv, proposer_state, slots = _engine_state_bytes(cfg, policy, proposer, mesh)
-  rows.append(("policy KV pool", kv))
+    learner.append(("reference policy (learner.kl_coef > 0)", p))
+  engine = [("policy weights, rollout engine's copy", _weights_bytes(policy, engine_mesh))]
+  kv, proposer_state, slots = _engine_state_bytes(cfg, policy, proposer, engine_mesh)
+  engine.append(("policy KV pool", kv))
   if drafter is not None:
-    d = _weights_bytes(drafter, mesh)
-    rows += [("drafter weights, rollout engine's copy", d),
-             ("drafter weights as loaded (whole, first chip)", _whole_bytes(drafter))]
+    engine.append(("drafter weights, rollout engine's copy",
+                   _weights_bytes(drafter, engine_mesh)))
+    # The proposer's own copy sits whole on the first device: the learner's.
+    learner.append(("drafter weights as loaded (whole, first chip)", _whole_bytes(drafter)))
     if trains:
-      rows += [("drafter params", d),
-               ("drafter Adam moments", _optimizer_bytes(
-                   rl_learner.make_optimizer(cfg.drafter.train), drafter, mesh)),
-               ("drafter gradients", d)]
+      d = _weights_bytes(drafter, learner_mesh)
+      learner += [("drafter params", d),
+                  ("drafter Adam moments", _optimizer_bytes(
+                      rl_learner.make_optimizer(cfg.drafter.train), drafter, learner_mesh)),
+                  ("drafter gradients", d)]
   if proposer_state:
-    rows.append((f"drafter state ({cfg.drafter.proposer}: KV pool, rows)", proposer_state))
-  rows.append(("rollout slots (tokens, logprobs, history)", slots))
-  act, m, T = update_activation_bytes(cfg, policy.cfg, drafter.cfg if trains else None, shape)
-  rows.append((f"update activations ({m} x {T} tokens,"
-               f" remat {'on' if cfg.learner.rematerialize else 'off'})", act))
-  return Plan(tuple(shape.items()), tuple(rows), capacity, chip)
+    engine.append((f"drafter state ({cfg.drafter.proposer}: KV pool, rows)", proposer_state))
+  engine.append(("rollout slots (tokens, logprobs, history)", slots))
+  act, m, T = update_activation_bytes(cfg, policy.cfg, drafter.cfg if trains else None,
+                                      dict(learner_mesh.shape))
+  learner.append((f"update activations ({m} x {T} tokens,"
+                  f" remat {'on' if cfg.learner.rematerialize else 'off'})", act))
+  on = lambda mesh, rows, role: Plan(tuple(dict(mesh.shape).items()), tuple(rows),  # noqa: E731
+                                     capacity, chip, role)
+  if engine_mesh is learner_mesh:
+    return (on(learner_mesh, learner + engine, ""),)
+  return (on(learner_mesh, learner, "learner, policy.mesh"),
+          on(engine_mesh, engine, "rollout engine, rollout.mesh"))
 
 
 def chip_spec(name: str) -> Chip:
@@ -418,21 +433,22 @@ def device_memory() -> int | None:
   return stats.get("bytes_limit") if stats else None
 
 
-def check(cfg: TrainConfig) -> Plan | None:
-  """The trainer's check, before it allocates: the plan against the memory the devices
-  report, else against the recipe's ``plan.chip``; raises `PlanError` with the plan's
-  numbers when it does not fit. Neither known (CPU without ``plan.chip``): no plan."""
+def check(cfg: TrainConfig) -> tuple[Plan, ...]:
+  """The trainer's check, before it allocates: the plans against the memory the devices
+  report, else against the recipe's ``plan.chip``; raises `PlanError` with the numbers
+  of a plan that does not fit. Neither known (CPU without ``plan.chip``): no plan."""
   limit = device_memory()
   if limit is not None:
-    result = plan(cfg, limit, f"{jax.local_devices()[0].device_kind}, as its runtime reports")
+    plans = plan(cfg, limit, f"{jax.local_devices()[0].device_kind}, as its runtime reports")
   elif cfg.plan.chip:
     chip = chip_spec(cfg.plan.chip)
-    result = plan(cfg, chip.usable, chip.label)
+    plans = plan(cfg, chip.usable, chip.label)
   else:
-    return None
-  if not result.fits:
-    raise PlanError(result.error())
-  return result
+    return ()
+  for p in plans:
+    if not p.fits:
+      raise PlanError(p.error())
+  return plans
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -446,15 +462,15 @@ def main(argv: Sequence[str] | None = None) -> int:
   name = args.chip or cfg.plan.chip
   try:
     chip = chip_spec(name) if name else None
-    result = plan(cfg, chip and chip.usable, chip.label if chip else "chip not named")
+    plans = plan(cfg, chip and chip.usable, chip.label if chip else "chip not named")
   except PlanError as e:
     print(f"plan: {e}", file=sys.stderr)
     return 2
-  print(result.table())
-  if not result.fits:
-    print(result.error().split("\n")[0], file=sys.stderr)
-    return 1
-  return 0
+  print("\n\n".join(p.table() for p in plans))
+  for p in plans:
+    if not p.fits:
+      print(p.error().split("\n")[0], file=sys.stderr)
+  return 0 if all(p.fits for p in plans) else 1
 
 
 if __name__ == "__main__":

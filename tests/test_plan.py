@@ -25,7 +25,7 @@ TINY = ["plan.policy_model=tiny-qwen3", "policy.path=/nonexistent", "policy.mesh
 
 def test_tiny_model_plan_by_hand():
   c = get_preset("tiny-qwen3")
-  p = plan.plan(load_config(None, TINY), 1 << 30, "test")
+  (p,) = plan.plan(load_config(None, TINY), 1 << 30, "test")
   rows = dict(p.rows)
   V, D, F, L, H, K, Dh = 128, 64, 128, 2, 4, 2, 16
   # Every matrix splits 4 ways (vocab/heads/KV heads/MLP over tensor, embed over fsdp);
@@ -60,11 +60,34 @@ def test_remat_keeps_one_layer_input_per_layer():
   assert four - two == 2 * rows * T * c.embed_dim * 4
 
 
+def test_disjoint_rollout_mesh_plans_each_side():
+  """Engine on its own (1, 1, 2) mesh: the learner's chips hold the training state and
+  the activations, the engine's the weight copy, the KV pool and the slots; together
+  the same components as on one shared mesh."""
+  (shared,) = plan.plan(load_config(None, TINY), 1 << 30, "test")
+  learner, engine = plan.plan(load_config(None, TINY + ["rollout.mesh=[1,1,2]"]), 1 << 30,
+                              "test")
+  assert (learner.role, engine.role) == ("learner, policy.mesh", "rollout engine, rollout.mesh")
+  assert dict(engine.mesh) == {"data": 1, "fsdp": 1, "tensor": 2}
+  names = lambda p: {name for name, _ in p.rows}  # noqa: E731
+  assert names(learner) | names(engine) == names(shared)
+  assert not names(learner) & names(engine)
+  assert "policy KV pool" in names(engine) and "policy Adam moments" in names(learner)
+  rows, shared_rows = dict(engine.rows), dict(shared.rows)
+  # KV heads split over tensor=2 on both meshes; the weights' embed dimension, split
+  # over fsdp=2 on the shared mesh, is whole on each engine chip.
+  assert rows["policy KV pool"] == shared_rows["policy KV pool"]
+  assert rows["policy weights, rollout engine's copy"] != shared_rows[
+      "policy weights, rollout engine's copy"]
+  assert "of the rollout engine" in engine.table() and "(rollout engine, rollout.mesh)" in (
+      plan.Plan(engine.mesh, engine.rows, 1, "chip", engine.role).error())
+
+
 @pytest.mark.parametrize("recipe, chip", [(V5P, "tpu-v5p"), (SMALL, "h100-80gb")])
 def test_shipped_recipes_fit_with_a_margin(recipe, chip):
   cfg = load_config(recipe)
   assert cfg.plan.chip == chip
-  p = plan.plan(cfg, plan.CHIPS[chip].usable, plan.CHIPS[chip].name)
+  (p,) = plan.plan(cfg, plan.CHIPS[chip].usable, plan.CHIPS[chip].name)
   assert p.fits and p.budget - p.total >= 0.1 * p.budget, p.table()
   assert "margin" in p.table()
 
