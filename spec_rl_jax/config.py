@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import types
 import typing
@@ -452,3 +453,36 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> Train
 def dump_config(cfg: TrainConfig, path: str) -> None:
   with open(path, "w") as f:
     yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+
+
+# What a resumed run may change: where it lives, how far it goes, whether it shows a bar.
+RESUMABLE_CHANGES = ("run_dir", "steps", "progress")
+
+
+def config_changes(recorded: Mapping[str, Any], cfg: TrainConfig) -> list[str]:
+  """The dotted keys in which ``cfg`` is not the run config ``recorded`` (`to_dict`
+  form, through JSON; `RESUMABLE_CHANGES` not compared). A key the record lacks was
+  added by a later release: it matches at its default (the option it adds is off), so
+  runs of an older release resume."""
+  as_json = lambda c: json.loads(json.dumps(to_dict(c)))  # noqa: E731
+  changed: list[str] = []
+
+  def walk(rec: Mapping, now: Mapping, default: Mapping, prefix: str) -> None:
+    for key in sorted(set(rec) | set(now)):
+      name = prefix + key
+      if name in RESUMABLE_CHANGES:
+        continue
+      if key not in now or (key in rec and not isinstance(now[key], dict)
+                            and rec[key] != now[key]):
+        changed.append(name)
+      elif key not in rec:
+        if now[key] != default.get(key):
+          changed.append(name)
+      elif isinstance(now[key], dict):
+        if not isinstance(rec[key], dict):
+          changed.append(name)
+        else:
+          walk(rec[key], now[key], default.get(key, {}), name + ".")
+
+  walk(recorded, as_json(cfg), as_json(TrainConfig()), "")
+  return changed

@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -61,7 +60,8 @@ from tqdm import tqdm
 from spec_rl_jax import checkpoint, data, plan, sharding, sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
-from spec_rl_jax.config import TrainConfig, dump_config, load_config, to_dict
+from spec_rl_jax.config import (RESUMABLE_CHANGES, TrainConfig, config_changes, dump_config,
+                                load_config, to_dict)
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
@@ -216,8 +216,7 @@ class Trainer:
     return state
 
   def _meta(self) -> dict:
-    resumable = {k: v for k, v in to_dict(self.cfg).items()
-                 if k not in ("run_dir", "steps", "progress")}
+    resumable = {k: v for k, v in to_dict(self.cfg).items() if k not in RESUMABLE_CHANGES}
     meta = {"config": resumable, "rng": {"rollout_seed": self.cfg.rollout.seed,
                                          "next_request_id": self.step * self.N},
             "model": checkpoint.config_to_json(self.learner.model().cfg),
@@ -259,9 +258,11 @@ class Trainer:
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                             self._ckpt_state())
     state, meta = self.ckpt.restore(abstract, self.batches)
-    if meta["config"] != json.loads(json.dumps(self._meta()["config"])):
-      raise ValueError(f"{self.cfg.run_dir} holds a run with a different config (only"
-                       " run_dir, steps and progress may change on --resume)")
+    changed = config_changes(meta["config"], self.cfg)
+    if changed:
+      raise ValueError(f"{self.cfg.run_dir} holds a run with another config:"
+                       f" {', '.join(changed)} differ (only {', '.join(RESUMABLE_CHANGES)}"
+                       " may change on --resume)")
     self.step = int(self.ckpt.latest_step())
     self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
     drafter = None
@@ -383,7 +384,6 @@ class Trainer:
         "train/draft_nan_skipped_total": self.counters.draft_nan_skipped,
         "data/long_prompts_skipped": self.counters.long_prompts_skipped,
         "time/update_s": t3 - t2, "time/step_s": t3 - t0,
-        "time/rollout_frac": rollouts.metrics["time/rollout_s"] / (t3 - t0),
         **self.pipeline.timing((t0, t3)),
         "time/update_compile_s": update_compiles.seconds,
     }

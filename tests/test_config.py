@@ -124,3 +124,20 @@ def test_data_sources_checked_and_overlapping_evaluation_warned(caplog):
     load_config(None, ["data.sources=['jsonl:/x.jsonl']"])
   assert ("data.sources[0] 'jsonl:/x.jsonl': training reads the whole file, so the"
           " evaluation records (its first data.eval_n=100) are training data") in caplog.text
+
+
+def test_config_changes_for_resume():
+  """What --resume compares: changed keys by name; a key an older run's record lacks
+  matches at its default; run_dir, steps and progress may change."""
+  from spec_rl_jax.config import config_changes, to_dict  # noqa: PLC0415
+  cfg = load_config(None, ["learner.lr=3e-4", "steps=5"])
+  recorded = to_dict(load_config(None, ["learner.lr=3e-4", "run_dir=elsewhere"]))
+  assert config_changes(recorded, cfg) == []
+  assert config_changes(recorded, load_config(None, ["learner.lr=1e-4"])) == ["learner.lr"]
+  del recorded["rollout"]["mesh"], recorded["plan"]  # written before these existed
+  assert config_changes(recorded, cfg) == []
+  assert config_changes(recorded, load_config(None, ["learner.lr=3e-4", "rollout.mesh=[1,1,2]",
+                                                     "plan.chip=tpu-v5p"])) == [
+      "plan", "rollout.mesh"]
+  recorded["learner"]["retired_option"] = 1  # a field a later release removed
+  assert config_changes(recorded, cfg) == ["learner.retired_option"]

@@ -117,3 +117,15 @@ def test_drafter_training_bad_input(models, tmp_path, overrides, error, match):
   with pytest.raises(error, match=match):
     train.main(tiny_overrides(models, str(tmp_path / "run"),
                               **{"drafter.train.every": 1, **overrides}))
+
+
+def test_resume_with_another_config_names_the_keys(models, tmp_path):
+  run_dir = str(tmp_path / "run")
+  base = {"steps": 1, "drafter.num_draft_tokens": 0}
+  train.main(tiny_overrides(models, run_dir, **base))
+  with pytest.raises(ValueError, match=r"another config: learner\.lr, rollout\.temperature"
+                                       r" differ \(only run_dir, steps, progress may change"):
+    train.main(["--resume", *tiny_overrides(models, run_dir, **{
+        **base, "learner.lr": 0.5, "rollout.temperature": 0.5, "steps": 2})])
+  train.main(["--resume", *tiny_overrides(models, run_dir, **{**base, "steps": 2})])
+  assert [r["step"] for r in read_metrics(run_dir)] == [1, 2]
