@@ -11,8 +11,9 @@ Public API (model and rollout code use only these names):
   impl, ...)` -> ``(out, m, l)``: causal attention over the selected pages only.
 * `merge_partials(out, m, l)`: log-sum-exp merge of stacked ``(out, m, l)`` results
   over disjoint key sets.
-* ``impl``: ``"xla"`` (pure-JAX reference) or ``"pallas"`` (TPU Mosaic kernel;
-  reference fallback on CPU/GPU unless ``interpret`` is set). See `dispatch`.
+* ``impl``: ``"xla"`` (pure-JAX reference) or ``"pallas"`` (the Mosaic kernel on the
+  `KERNEL_BACKENDS`, TPU; elsewhere only with ``interpret`` set, else an error). See
+  `dispatch`.
 
 Shape legend: ``S`` slots, ``Q`` queries per slot, ``H`` query heads, ``Hk`` KV heads,
 ``G = H // Hk``, ``Dh`` head dim, ``P`` pages in the pool, ``Ps`` page size, ``M`` max
@@ -50,6 +51,7 @@ Outputs:
 
 from kernels_pallas.dispatch import (
     IMPLS,
+    KERNEL_BACKENDS,
     default_pages_per_block,
     sparse_attention,
     verify_attention,
@@ -59,6 +61,7 @@ from kernels_pallas.sparse_attention.selection import select_pages
 
 __all__ = [
     "IMPLS",
+    "KERNEL_BACKENDS",
     "default_pages_per_block",
     "merge_partials",
     "select_pages",

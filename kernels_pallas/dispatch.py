@@ -1,17 +1,17 @@
 """The one switch between attention implementations: ``impl`` in {"xla", "pallas"}.
 
 * ``"xla"``: the pure-JAX reference, on every backend.
-* ``"pallas"``: the Mosaic kernel on TPU; the kernel in interpret mode on any backend
-  when ``interpret`` is set (tests); otherwise (CPU, GPU) the reference, with one log
-  line per kernel and backend. There is no GPU kernel: the Triton lowering is
-  deprecated and no Mosaic-GPU version exists yet.
+* ``"pallas"``: the Mosaic kernel on the backends in `KERNEL_BACKENDS` (TPU); the
+  kernel in interpret mode on any backend when ``interpret`` is set (tests). Elsewhere
+  it raises: a run that asked for the kernels must not silently measure the reference.
+  There is no GPU kernel: the Triton lowering is deprecated and no Mosaic-GPU version
+  exists yet.
 
 Model code calls these functions (through ``kernels_pallas``), never a kernel module.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
@@ -22,9 +22,7 @@ from kernels_pallas.verify_attention.kernel import verify_attention_kernel
 from kernels_pallas.verify_attention.reference import verify_attention_reference
 
 IMPLS = ("xla", "pallas")
-
-_log = logging.getLogger(__name__)
-_fallbacks_logged: set[tuple[str, str]] = set()
+KERNEL_BACKENDS = ("tpu",)  # backends the kernels compile for (not interpreted)
 
 
 def default_pages_per_block(page_size: int, backend: str | None = None) -> int:
@@ -45,13 +43,11 @@ def _use_kernel(name: str, impl: str, interpret: Any) -> bool:
   if impl == "xla":
     return False
   backend = jax.default_backend()
-  if interpret or backend == "tpu":
-    return True
-  if (name, backend) not in _fallbacks_logged:
-    _fallbacks_logged.add((name, backend))
-    _log.warning("attention impl 'pallas': no %s kernel for backend %r, using the XLA "
-                 "reference", name, backend)
-  return False
+  if not interpret and backend not in KERNEL_BACKENDS:
+    raise ValueError(f"attention impl 'pallas': no {name} kernel for backend {backend!r}"
+                     f" (kernels compile for {list(KERNEL_BACKENDS)}); use impl='xla', or"
+                     " interpret=True to run the kernel interpreted")
+  return True
 
 
 def verify_attention(

@@ -4,7 +4,8 @@ Model code never calls an attention implementation directly: it hands ``q, k, v`
 an *attention context* — `NoCache` here, `ContiguousKVCache` (models/kv_cache.py) or
 the rollout engine's paged cache — and the context picks the implementation registered
 under ``ModelConfig.attention_impl`` with `get_impl`. Kernels (``kernels_pallas``)
-plug in by registering a name; layer code does not change.
+plug in by registering a name; layer code does not change. `resolve_impl` turns a
+recipe's choice (``auto`` included) into a registered name for the run's backend.
 
 A context is a pytree with:
   * ``layers``: per-layer state with a leading ``[L]`` axis (``None`` when there is
@@ -73,21 +74,58 @@ class AttentionImpl:
   sparse: Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
-# "pallas": Mosaic kernels on TPU; elsewhere kernels_pallas falls back to the reference
-# (logged once). Cache-free attention has no kernel: training uses XLA's, blocked with a
-# recomputing backward (models/causal_attention.py).
+def _paged_impl(**kernel_args) -> AttentionImpl:
+  """The paged attentions through `kernels_pallas` with ``kernel_args`` (``impl``,
+  ``interpret``). Cache-free attention has no kernel: training uses XLA's, blocked with
+  a recomputing backward (models/causal_attention.py)."""
+  return AttentionImpl(
+      dense=dot_product_attention, causal=causal_attention,
+      paged=functools.partial(kernels_pallas.verify_attention, **kernel_args),
+      sparse=functools.partial(kernels_pallas.sparse_attention, **kernel_args))
+
+
+# "pallas": the Mosaic kernels, only on `kernels_pallas.KERNEL_BACKENDS` (TPU).
+# "pallas_interpret": the same kernels interpreted on any backend, so CPU tests run the
+# engine through the kernels' code (slow: tiny models only). A block's pages are
+# unrolled into the program, so 2-page blocks keep its compile time that of the XLA
+# path while still covering double buffering and partial blocks.
 _IMPLS: dict[str, AttentionImpl] = {
-    name: AttentionImpl(dense=dot_product_attention, causal=causal_attention,
-                        paged=functools.partial(kernels_pallas.verify_attention, impl=name),
-                        sparse=functools.partial(kernels_pallas.sparse_attention, impl=name))
-    for name in ("xla", "pallas")
+    "xla": _paged_impl(impl="xla"),
+    "pallas": _paged_impl(impl="pallas"),
+    "pallas_interpret": _paged_impl(impl="pallas", interpret=True, pages_per_block=2),
 }
+IMPLS = tuple(_IMPLS)
+# What a recipe may ask for (``policy.attention_impl``): a registered name, or "auto".
+CHOICES = ("auto", *IMPLS)
 
 
 def get_impl(name: str) -> AttentionImpl:
   if name not in _IMPLS:
     raise ValueError(f"unknown attention_impl {name!r}; registered: {sorted(_IMPLS)}")
   return _IMPLS[name]
+
+
+def resolve_impl(name: str, backend: str | None = None) -> str:
+  """The registered implementation that ``name`` (one of `CHOICES`) means on
+  ``backend`` (default: JAX's default backend). Raises ValueError for an unknown name
+  and for ``"pallas"`` where no kernel compiles, so a run stops before it loads a weight.
+
+  ``"auto"``: the Pallas kernels where they compile (TPU), else the XLA path. On GPU
+  that is XLA: the repo has no Pallas GPU kernel (Triton lowering deprecated, no Mosaic
+  GPU kernel); one would have to beat XLA's attention in ``bench.kernels`` on the GPU
+  before ``auto`` picks it there.
+  """
+  backend = backend or jax.default_backend()
+  if name == "auto":
+    return "pallas" if backend in kernels_pallas.KERNEL_BACKENDS else "xla"
+  if name not in _IMPLS:
+    raise ValueError(f"unknown attention_impl {name!r}; choose one of {list(CHOICES)}")
+  if name == "pallas" and backend not in kernels_pallas.KERNEL_BACKENDS:
+    raise ValueError(f"attention_impl 'pallas': the Pallas kernels compile for"
+                     f" {list(kernels_pallas.KERNEL_BACKENDS)}, not for backend {backend!r};"
+                     " use 'auto' or 'xla' ('pallas_interpret' runs them interpreted, for"
+                     " tests)")
+  return name
 
 
 @struct.dataclass

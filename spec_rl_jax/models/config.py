@@ -21,7 +21,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 Arch = Literal["llama", "qwen3"]
-AttentionImpl = Literal["xla", "pallas"]  # see models/attention.py
+AttentionImpl = Literal["xla", "pallas", "pallas_interpret"]  # models/attention.py
 
 ARCHITECTURES: dict[str, Arch] = {
     "LlamaForCausalLM": "llama",

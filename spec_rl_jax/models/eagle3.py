@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from spec_rl_jax.models import attention
-from spec_rl_jax.models.config import ModelConfig
+from spec_rl_jax.models.config import AttentionImpl, ModelConfig
 from spec_rl_jax.models.layers import (MLP, RMSNorm, _param, apply_rope, project,
                                        rope_inv_freq)
 from spec_rl_jax.models.causal_attention import NEG_INF
@@ -95,6 +95,7 @@ class Eagle3Config:
   max_position_embeddings: int = 4096
   param_dtype: str = "float32"
   policy_fingerprint: str = ""
+  attention_impl: AttentionImpl = "xla"  # the policy's (a runtime choice, not exported)
 
   def __post_init__(self):
     object.__setattr__(self, "feature_layers", tuple(int(x) for x in self.feature_layers))
@@ -123,7 +124,8 @@ class Eagle3Config:
                feature_layers=feature_layers or default_feature_layers(policy.num_layers),
                rope_theta=policy.rope_theta, norm_eps=policy.norm_eps,
                max_position_embeddings=policy.max_position_embeddings,
-               param_dtype=policy.param_dtype, policy_fingerprint=fingerprint)
+               param_dtype=policy.param_dtype, policy_fingerprint=fingerprint,
+               attention_impl=policy.attention_impl)
 
   def layer_config(self) -> ModelConfig:
     """The midlayer as a one-layer `ModelConfig` (its KV cache, MLP and RoPE)."""
@@ -133,7 +135,7 @@ class Eagle3Config:
                        head_dim=self.head_dim, rope_theta=self.rope_theta,
                        norm_eps=self.norm_eps,
                        max_position_embeddings=self.max_position_embeddings,
-                       param_dtype=self.param_dtype)
+                       param_dtype=self.param_dtype, attention_impl=self.attention_impl)
 
   @property
   def hidden_layers(self) -> tuple[int, ...]:

@@ -40,6 +40,7 @@ the policy it is loaded for.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -227,9 +228,12 @@ def _check_vocab_map(where: str, d2t: np.ndarray, t2d: np.ndarray | None,
 def load_eagle3(directory: str, policy: ModelConfig | None = None) -> Eagle3Head:
   """Loads an Eagle3 head saved by `save_eagle3` or a public ``LlamaForCausalLMEagle3``
   checkpoint (then ``policy`` is required). With ``policy``, raises unless the head
-  was made for it (hidden size, layer count, vocabulary). Every check runs before any
-  array reaches a device; errors name the file and the tensor."""
+  was made for it (hidden size, layer count, vocabulary) and runs its attention
+  implementation. Every check runs before any array reaches a device; errors name the
+  file and the tensor."""
   cfg = _read_config(directory, policy)
+  if policy is not None:
+    cfg = dataclasses.replace(cfg, attention_impl=policy.attention_impl)
   reader = _SafetensorsReader(directory)
   files = sorted(set(reader.weight_map.values()))
   where = os.path.join(directory, files[0] if len(files) == 1 else "model.safetensors.*")

@@ -299,11 +299,14 @@ def load_mtp(directory: str, policy: ModelConfig | None = None,
              fingerprint: str | None = None) -> MTPHeads:
   """The heads `save_mtp` wrote to ``directory``. With ``policy`` (and its
   ``fingerprint``) the heads are checked against it (`MTPConfig.check_policy`) before
-  any tensor is read; every tensor's presence and shape is checked before any is
-  loaded. Raises ValueError naming the directory and the tensor."""
+  any tensor is read and run its attention implementation; every tensor's presence and
+  shape is checked before any is loaded. Raises ValueError naming the directory and the
+  tensor."""
   cfg = load_config(directory)
   if policy is not None:
     cfg.check_policy(policy, fingerprint)
+    cfg = dataclasses.replace(
+        cfg, policy=cfg.policy.replace(attention_impl=policy.attention_impl))
   reader = hf_io._open_safetensors(os.path.join(directory, WEIGHTS_FILE))
   names = set(reader.keys())
   graphdef, abstract = nnx.split(abstract_heads(cfg))
