@@ -57,13 +57,13 @@ def ensure_long_models(names=("long-policy", "long-draft")):
   """``(*models, tokenizer)``: the ``names`` models from the cache (default: policy and
   draft), training what is missing."""
   from spec_rl_jax import sft
-  from spec_rl_jax.checkpoint import cache_dir
-  from spec_rl_jax.models import hf_io
+  from spec_rl_jax.checkpoint import cache_dir, load_model
   missing = [n for n in names if not os.path.exists(os.path.join(cache_dir(), n, "config.json"))]
   if missing:
     print(f"training {missing} into {cache_dir()} (first use; a few minutes)")
     sft.produce(missing, {}, eval_n=0)
-  loaded = [hf_io.load_hf_checkpoint(os.path.join(cache_dir(), n)) for n in names]
+  # auto: this backend's attention kernels, the sparse draft kernel on TPU
+  loaded = [load_model(os.path.join(cache_dir(), n)) for n in names]
   return (*(model for model, _ in loaded), loaded[0][1])
 
 

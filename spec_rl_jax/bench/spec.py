@@ -84,11 +84,11 @@ def round_costs(round_s: dict[str, float], acceptance: dict[str, float], ks,
 
 
 def _load(path: str):
-  from spec_rl_jax.models import hf_io
+  from spec_rl_jax import checkpoint
   if not os.path.exists(os.path.join(path, "config.json")):
     raise SystemExit(f"no checkpoint at {path}: run `python -m spec_rl_jax.sft` first"
                      " (it trains the default policy and draft model into the cache)")
-  return hf_io.load_hf_checkpoint(path)
+  return checkpoint.load_model(path)  # this backend's attention kernels (auto)
 
 
 def _prompts(tokenizer, n: int, seed: int = 0) -> list[list[int]]:
