@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from spec_rl_jax import data
+from spec_rl_jax.models import attention
 from spec_rl_jax.models.config import PRESETS
 from spec_rl_jax.rl.advantages import ADVANTAGES, PAIRED_AGGREGATIONS, default_aggregation
 from spec_rl_jax.spec import proposers
@@ -57,6 +58,13 @@ class PolicyConfig:
   path: str = "policy"
   mesh: tuple[int, ...] = (1, 1, 1)  # (data, fsdp, tensor)
   distributed: bool = False  # multi-host: jax.distributed.initialize() from the env
+  # Paged attention of the policy and its drafters, one of attention.CHOICES; "auto":
+  # the Pallas kernels on TPU, XLA elsewhere (attention.resolve_impl, run by the trainer
+  # before it loads a weight: the backend is known only once JAX is initialised).
+  attention_impl: str = "auto"
+
+  def __post_init__(self):
+    _check_choice("policy.attention_impl", self.attention_impl, attention.CHOICES)
 
 
 @dataclasses.dataclass(frozen=True)
