@@ -87,16 +87,15 @@ def _paged_impl(**kernel_args) -> AttentionImpl:
 # "pallas": the Mosaic kernels, only on `kernels_pallas.KERNEL_BACKENDS` (TPU).
 # "pallas_interpret": the same kernels interpreted on any backend, so CPU tests run the
 # engine through the kernels' code (slow: tiny models only). A block's pages are
-# unrolled into the program, so 2-page blocks keep its compile time that of the XLA
-# path while still covering double buffering and partial blocks.
+# unrolled into the program: 2-page blocks keep the programs small and still cover
+# double buffering and partial blocks.
 _IMPLS: dict[str, AttentionImpl] = {
     "xla": _paged_impl(impl="xla"),
     "pallas": _paged_impl(impl="pallas"),
     "pallas_interpret": _paged_impl(impl="pallas", interpret=True, pages_per_block=2),
 }
-IMPLS = tuple(_IMPLS)
 # What a recipe may ask for (``policy.attention_impl``): a registered name, or "auto".
-CHOICES = ("auto", *IMPLS)
+CHOICES = ("auto", *_IMPLS)
 
 
 def get_impl(name: str) -> AttentionImpl:
