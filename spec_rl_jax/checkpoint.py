@@ -28,8 +28,10 @@ import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.sharding import Mesh
 
-from spec_rl_jax.models import hf_io
+from spec_rl_jax import sharding
+from spec_rl_jax.models import attention, hf_io
 from spec_rl_jax.models.config import Llama3RopeScaling, ModelConfig
 from spec_rl_jax.models.tokenizer import Tokenizer
 from spec_rl_jax.models.transformer import Decoder, abstract_decoder
@@ -110,17 +112,24 @@ class TrainCheckpointer:
     self.manager.close()
 
 
-def abstract_params(cfg: ModelConfig) -> tuple[Any, dict]:
-  """``(graphdef, pure-dict params of ShapeDtypeStructs)`` of a decoder."""
+def abstract_params(cfg: ModelConfig, mesh: Mesh | None = None) -> tuple[Any, dict]:
+  """``(graphdef, pure-dict params of ShapeDtypeStructs)`` of a decoder; with ``mesh``,
+  laid out on it by the logical rules (a restore then reads only each process's
+  shards)."""
   graphdef, state = nnx.split(abstract_decoder(cfg))
-  return graphdef, jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                nnx.to_pure_dict(state))
+  if mesh is None:
+    return graphdef, jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                  nnx.to_pure_dict(state))
+  shardings = nnx.to_pure_dict(sharding.state_shardings(state, mesh))
+  return graphdef, jax.tree.map(lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),
+                                nnx.to_pure_dict(state), shardings)
 
 
 def restore_decoder(ckpt: TrainCheckpointer, cfg: ModelConfig, step: int | None = None,
-                    key: str = "params") -> Decoder:
-  """The `Decoder` of config ``cfg`` whose weights are ``state[key]`` at ``step``."""
-  graphdef, abstract = abstract_params(cfg)
+                    key: str = "params", mesh: Mesh | None = None) -> Decoder:
+  """The `Decoder` of config ``cfg`` whose weights are ``state[key]`` at ``step`` (on
+  ``mesh`` when given)."""
+  graphdef, abstract = abstract_params(cfg, mesh)
   return nnx.merge(graphdef, ckpt.restore_params(abstract, step, key))
 
 
@@ -130,7 +139,7 @@ def run_tokenizer(path: str) -> Tokenizer | None:
   return Tokenizer.load(tok_dir) if os.path.isdir(tok_dir) else None
 
 
-def _load_run(path: str) -> tuple[Decoder, Tokenizer | None]:
+def _load_run(path: str, mesh: Mesh | None) -> tuple[Decoder, Tokenizer | None]:
   ckpt = TrainCheckpointer(path)
   if ckpt.latest_step() is None:
     raise FileNotFoundError(f"{path}: run directory without checkpoints")
@@ -140,25 +149,34 @@ def _load_run(path: str) -> tuple[Decoder, Tokenizer | None]:
     raise ValueError(f"{path} holds {meta['draft_head']['kind']} draft heads, not a model:"
                      " export them (python -m spec_rl_jax.export) and name that directory"
                      " in the proposer's path")
-  model = restore_decoder(ckpt, config_from_json(meta["model"]))
+  model = restore_decoder(ckpt, config_from_json(meta["model"]), mesh=mesh)
   ckpt.close()
   return model, run_tokenizer(path)
 
 
-def _load_hf(path: str) -> tuple[Decoder, Tokenizer | None]:
+def _load_hf(path: str, mesh: Mesh | None) -> tuple[Decoder, Tokenizer | None]:
   # A draft model or teacher may come without a tokenizer; callers that need one check.
   has_tokenizer = os.path.exists(os.path.join(path, hf_io.TOKENIZER_FILE))
-  return hf_io.load_hf_checkpoint(path, load_tokenizer=has_tokenizer)
+  return hf_io.load_hf_checkpoint(path, mesh, load_tokenizer=has_tokenizer)
 
 
 # (marker file or directory inside the checkpoint, loader), tried in order.
 _LOADERS = (("config.json", _load_hf), (CKPT_DIR, _load_run))
 
 
-def load_model(path: str) -> tuple[Decoder, Tokenizer | None]:
-  """A model (and tokenizer, if stored) from a HF directory or a training run."""
+def load_model(path: str, attention_impl: str = "auto",
+               mesh: Mesh | None = None) -> tuple[Decoder, Tokenizer | None]:
+  """A model (and tokenizer, if stored) from a HF directory or a training run, running
+  ``attention_impl`` (`attention.resolve_impl`, checked before any weight is read):
+  the attention kernels are a choice of the machine that runs the model, not of the
+  checkpoint (a run saves the implementation it trained with). With ``mesh`` the
+  weights load straight onto it, each process reading only its devices' shards (a
+  multi-host run); without, onto one device."""
+  impl = attention.resolve_impl(attention_impl)
   for marker, loader in _LOADERS:
     if os.path.exists(os.path.join(path, marker)):
-      return loader(path)
+      model, tokenizer = loader(path, mesh)
+      model.cfg = model.cfg.replace(attention_impl=impl)
+      return model, tokenizer
   raise FileNotFoundError(f"{path}: neither a HF checkpoint (config.json) nor a training"
                           f" run ({CKPT_DIR}/)")

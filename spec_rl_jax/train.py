@@ -57,11 +57,12 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from spec_rl_jax import checkpoint, data, plan, sharding, sft
+from spec_rl_jax import checkpoint, data, distributed, plan, sharding, sft
 from spec_rl_jax import eval as evaluation
 from spec_rl_jax.compiles import CompileCounter, use_persistent_cache
 from spec_rl_jax.config import (RESUMABLE_CHANGES, TrainConfig, config_changes, dump_config,
                                 load_config, to_dict)
+from spec_rl_jax.models import attention
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
@@ -137,22 +138,28 @@ class Trainer:
   """Owns the policy, the learner, the engine, the data stream and the run directory."""
 
   def __init__(self, cfg: TrainConfig, resume: bool = False):
+    distributed.check_run(cfg)
     self.cfg = cfg
     os.makedirs(cfg.run_dir, exist_ok=True)
     self.ckpt = checkpoint.TrainCheckpointer(cfg.run_dir, cfg.checkpoint.max_to_keep)
     if self.ckpt.latest_step() is not None and not resume:
       raise FileExistsError(f"{cfg.run_dir} already holds checkpoints: pass --resume to"
                             " continue it, or choose another run_dir")
-    dump_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
+    if distributed.is_writer():
+      dump_config(cfg, os.path.join(cfg.run_dir, "config.yaml"))
     r, G = cfg.rollout, cfg.rollout.group_size
     self.N = r.prompts_per_step * G
     self.T = r.max_prompt_len + r.max_new_tokens
     # The learner's mesh and the rollout engine's (the same one, or disjoint sub-meshes).
     self.mesh, self.rollout_mesh = sharding.placement(cfg.policy.mesh, cfg.rollout.mesh,
                                                       cfg.rollout.first_device)
+    # The policy's and its drafters' attention: a backend without the asked-for kernels
+    # stops here, before any weight (the default models' SFT included).
+    impl = attention.resolve_impl(cfg.policy.attention_impl)
     ensure_default_models(cfg)
     plan.check(cfg)  # a recipe that does not fit the chips stops here, before any weight
-    policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path))
+    policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path), impl,
+                                              self.mesh)
     policy.cfg = policy.cfg.replace(remat=cfg.learner.rematerialize)
     if tokenizer is None:
       raise ValueError(f"{cfg.policy.path} has no tokenizer")
@@ -255,8 +262,9 @@ class Trainer:
       logging.exception("the checkpoint after the rollouts' failure failed")
 
   def _restore(self) -> None:
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            self._ckpt_state())
+    # Restored onto the live state's shardings: each process reads only its shards.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=getattr(x, "sharding", None)), self._ckpt_state())
     state, meta = self.ckpt.restore(abstract, self.batches)
     changed = config_changes(meta["config"], self.cfg)
     if changed:
@@ -457,7 +465,8 @@ class Trainer:
     if cfg.data.eval_n and self.step == 0:
       summary["eval_before"] = self.evaluate()
       log.log(0, summary["eval_before"])
-    bar = tqdm(total=cfg.steps, initial=self.step, disable=not cfg.progress)
+    bar = tqdm(total=cfg.steps, initial=self.step,
+               disable=not (cfg.progress and distributed.is_writer()))
     while self.step < cfg.steps:
       metrics = self.train_step(bar)
       with (self.pipeline.exclusive(self.step) if self._barrier(self.step)
@@ -477,10 +486,11 @@ class Trainer:
       log.log(self.step, summary["eval_after"])
     self.ckpt.wait()
     log.close()
-    summary["plots"] = obs.plot_curves(cfg.run_dir)
-    summary["timeline"] = obs.plot_timeline(
-        os.path.join(cfg.run_dir, "timeline.png"),
-        {"rollout": self.pipeline.rollouts, "update": self.pipeline.updates})
+    if distributed.is_writer():
+      summary["plots"] = obs.plot_curves(cfg.run_dir)
+      summary["timeline"] = obs.plot_timeline(
+          os.path.join(cfg.run_dir, "timeline.png"),
+          {"rollout": self.pipeline.rollouts, "update": self.pipeline.updates})
     summary["steps"] = self.step
     return summary
 
@@ -507,10 +517,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
   cfg = load_config(args.config, args.overrides)
   use_persistent_cache()
   if cfg.policy.distributed:
-    jax.distributed.initialize()
+    distributed.initialize()
   if not cfg.run_dir:
     if args.resume:
       raise ValueError("--resume needs run_dir=<the run's directory>")
+    if cfg.policy.distributed:  # each process would name its own, by its clock
+      raise ValueError("policy.distributed=true needs run_dir=<a directory every process"
+                       " reaches>")
     cfg = dataclasses.replace(cfg, run_dir=os.path.join("runs",
                                                         time.strftime("%Y%m%d-%H%M%S")))
   trainer = Trainer(cfg, resume=args.resume)
@@ -518,6 +531,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     summary = trainer.run()
   finally:
     trainer.close()
+  if not distributed.is_writer():
+    return summary
   print(f"run directory: {cfg.run_dir}")
   for phase in ("eval_before", "eval_after"):
     if phase in summary:

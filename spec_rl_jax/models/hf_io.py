@@ -155,15 +155,34 @@ def config_to_hf(cfg: ModelConfig, tokenizer: Tokenizer | None = None) -> dict:
 
 @dataclasses.dataclass(frozen=True)
 class _Tensor:
-  """One of our parameters ↔ one HF tensor (per layer when ``per_layer``)."""
+  """One of our parameters ↔ one HF tensor (per layer when ``per_layer``).
+
+  ``heads``: the HF axis that holds ``n·Dh`` when ``to_ours`` splits it into our
+  ``[n, Dh]`` (None: ``to_ours`` keeps the shape), so a slice of ours that takes whole
+  heads is one slice of the HF tensor, and `read` loads only that."""
 
   hf_name: str  # may contain ``{i}`` for the layer index
   to_ours: Callable[[np.ndarray], np.ndarray]
   to_hf: Callable[[np.ndarray], np.ndarray]
+  heads: int | None = None
 
   @property
   def per_layer(self) -> bool:
     return "{i}" in self.hf_name
+
+  def read(self, reader: _SafetensorsReader, name: str, index: tuple[slice, ...],
+           shape: tuple[int, ...]) -> np.ndarray:
+    """``to_ours(tensor)[index]`` for our (one layer's) ``shape``, reading from the file
+    only the HF slice it needs."""
+    index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape))
+    if self.heads is None:
+      return self.to_ours(reader.get(name, index))
+    a, dh = self.heads, shape[self.heads + 1]
+    heads, within = index[a], index[a + 1]
+    w = reader.get(name, (*index[:a], slice(heads.start * dh, heads.stop * dh),
+                          *index[a + 2:]))
+    w = w.reshape(*w.shape[:a], -1, dh, *w.shape[a + 1:])
+    return w[(slice(None),) * (a + 1) + (within,)]
 
 
 def _same(name: str) -> _Tensor:
@@ -173,13 +192,13 @@ def _same(name: str) -> _Tensor:
 def _out_heads(name: str, n: int) -> _Tensor:
   """``[n·Dh, D]`` (HF) ↔ ``[n, Dh, D]`` (ours): q, k, v projections."""
   return _Tensor(name, lambda w: w.reshape(n, -1, w.shape[1]),
-                 lambda w: w.reshape(-1, w.shape[-1]))
+                 lambda w: w.reshape(-1, w.shape[-1]), heads=0)
 
 
 def _in_heads(name: str, n: int) -> _Tensor:
   """``[D, n·Dh]`` (HF) ↔ ``[D, n, Dh]`` (ours): the output projection."""
   return _Tensor(name, lambda w: w.reshape(w.shape[0], n, -1),
-                 lambda w: w.reshape(w.shape[0], -1))
+                 lambda w: w.reshape(w.shape[0], -1), heads=1)
 
 
 def _mapping(cfg: ModelConfig) -> dict[tuple[str, ...], _Tensor]:
@@ -217,6 +236,7 @@ class _SafetensorsReader:
   """Name → lazily read numpy tensor over one or many ``.safetensors`` files."""
 
   def __init__(self, directory: str):
+    self.directory = directory
     index = os.path.join(directory, "model.safetensors.index.json")
     single = os.path.join(directory, "model.safetensors")
     if os.path.exists(index):
@@ -236,8 +256,13 @@ class _SafetensorsReader:
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._handles[self.weight_map[name]].get_slice(name).get_shape())
 
-  def get(self, name: str) -> np.ndarray:
-    return self._handles[self.weight_map[name]].get_tensor(name)
+  def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """``tensor[index]`` (a slice of every axis; None: the whole tensor), reading only
+    those bytes; logged at DEBUG level (which process read which slices)."""
+    if index is None:
+      index = tuple(slice(0, n) for n in self.shape(name))
+    log.debug("%s: read %s %s", self.directory, name, [(s.start, s.stop) for s in index])
+    return self._handles[self.weight_map[name]].get_slice(name)[index]
 
 
 def _open_safetensors(path: str):
@@ -326,10 +351,9 @@ def load_hf_checkpoint(directory: str, mesh: Mesh | None = None, *,
 
     def callback(index):
       if t.per_layer:
-        layers = range(shape[0])[index[0]]
-        return np.stack([t.to_ours(reader.get(t.hf_name.format(i=i)))[tuple(index[1:])]
-                         for i in layers]).astype(dtype)
-      return t.to_ours(reader.get(t.hf_name))[index].astype(dtype)
+        return np.stack([t.read(reader, t.hf_name.format(i=i), index[1:], shape[1:])
+                         for i in range(shape[0])[index[0]]]).astype(dtype)
+      return t.read(reader, t.hf_name, index, shape).astype(dtype)
 
     return var.replace(jax.make_array_from_callback(shape, shardings[path], callback))
 

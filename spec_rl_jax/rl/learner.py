@@ -280,7 +280,9 @@ class Learner:
       self._accumulate[with_draft] = jax.jit(
           functools.partial(accumulate_grads, **loss_kw), donate_argnums=0,
           out_shardings=acc_shardings, compiler_options=training_compiler_options())
+    # Replicated: every process reads the log-probs back whole (multi-host).
     self._score = jax.jit(functools.partial(score_targets, graphdef=self.graphdef),
+                          out_shardings=replicated,
                           compiler_options=training_compiler_options())
     self._apply = jax.jit(functools.partial(apply_grads, tx=self.tx, draft_tx=self.draft_tx),
                           donate_argnums=0, out_shardings=(state_shardings, replicated),

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 # A bare Figure renders without pyplot's global backend, so importing this module leaves
 # a notebook's inline plotting alone.
 from matplotlib.figure import Figure
+import jax
 import numpy as np
 from tensorboardX import SummaryWriter
 
@@ -35,22 +36,31 @@ def flatten(metrics: Mapping[str, object]) -> dict[str, float]:
 
 
 class MetricsLogger:
-  """Appends to ``run_dir/metrics.jsonl`` and TensorBoard ``run_dir/tb``."""
+  """Appends to ``run_dir/metrics.jsonl`` and TensorBoard ``run_dir/tb``.
+
+  In a multi-process run only process 0 writes: every process computes the same
+  metrics (the same host loop on replicated results), and one writer per file keeps
+  the records whole."""
 
   def __init__(self, run_dir: str):
     self.run_dir = run_dir
-    self.writer = SummaryWriter(os.path.join(run_dir, "tb"))
-    self.file = open(os.path.join(run_dir, METRICS_FILE), "a")
+    self.writes = jax.process_index() == 0
+    if self.writes:
+      self.writer = SummaryWriter(os.path.join(run_dir, "tb"))
+      self.file = open(os.path.join(run_dir, METRICS_FILE), "a")
 
   def log(self, step: int, metrics: Mapping[str, object]) -> None:
+    if not self.writes:
+      return
     self.file.write(json.dumps({"step": step, **metrics}) + "\n")
     self.file.flush()
     for k, v in flatten(metrics).items():
       self.writer.add_scalar(k, v, step)
 
   def close(self) -> None:
-    self.file.close()
-    self.writer.close()
+    if self.writes:
+      self.file.close()
+      self.writer.close()
 
 
 def read_metrics(run_dir: str) -> list[dict]:

@@ -71,9 +71,9 @@ class DraftModelProposer(Proposer):
 
   @classmethod
   def build(cls, config: DraftModelConfig, policy, tokenizer=None, mesh=None):
-    del policy, mesh  # the engine places the weights on the policy's mesh
     path = checkpoint.resolve_path(config.path)
-    draft, draft_tok = checkpoint.load_model(path)
+    # Loaded onto the engine's mesh: in a multi-host run each process reads its shards.
+    draft, draft_tok = checkpoint.load_model(path, policy.cfg.attention_impl, mesh)
     return cls(config, draft, draft_tok, tokenizer)
 
   @property
