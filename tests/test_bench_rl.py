@@ -145,6 +145,8 @@ def test_compare_derives_every_mode_figure_from_the_step_records():
   assert summary["step_speedup_async1_vs_sync_incl_compile"] == pytest.approx(2.0)
   # waits less compiles, per seed: sync 6 + 4, async 1 + 0
   assert summary["learner_idle_removed_async1_vs_sync"] == pytest.approx(1 - 1 / 10)
+  assert summary["learner_idle_removed_async1_vs_sync_incl_compile"] == pytest.approx(
+      1 - 2 / 12)
   assert summary["rollout_overlap_async1"] == pytest.approx(3 / 5)
   std = np.std([0.3, 0.5], ddof=1)  # both modes' finals differ by 0.2 across seeds
   assert summary["final_reward_seed_std"] == pytest.approx(std)
@@ -191,6 +193,9 @@ def test_mode_comparison_end_to_end_reports_ratios_from_its_records(models, tmp_
                     for r in rs) for name, rs in warm.items()}
   assert summary["learner_idle_removed_async1_vs_sync"] == pytest.approx(
       1 - idle["async:1"] / idle["sync"])
+  wall = {name: sum(r["learner_idle_frac"] * r["step_s"] for r in rs) for name, rs in warm.items()}
+  assert summary["learner_idle_removed_async1_vs_sync_incl_compile"] == pytest.approx(
+      1 - wall["async:1"] / wall["sync"])
   finals = {name: [np.mean([r["reward_mean"] for r in run(name, seed)][-1:]) for seed in (0, 1)]
             for name in ("sync", "async:1")}
   std = np.mean([np.std(f, ddof=1) for f in finals.values()])
