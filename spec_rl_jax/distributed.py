@@ -26,6 +26,7 @@ host can go silent.
 from __future__ import annotations
 
 import os
+
 import jax
 import numpy as np
 

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from spec_rl_jax import sharding
 from spec_rl_jax.models import layout as layouts
@@ -51,6 +52,15 @@ from spec_rl_jax.rollout.types import (FINISH_REASONS, EngineConfig, Request, Re
                                        RolloutResult, TokenDelta)
 from spec_rl_jax.spec.controller import CallShape, CallStats, FixedK, SpecController
 from spec_rl_jax.spec.proposers.base import Proposer
+
+
+def _run_clock(seconds: float) -> float:
+  """Process 0's measurement of a call in a multi-process run: every process's
+  controller then sees the same history and chooses the same draft lengths, so all
+  launch the same programs (their collectives pair up by order)."""
+  if jax.process_count() == 1:
+    return seconds
+  return float(multihost_utils.broadcast_one_to_all(np.float32(seconds)))
 
 
 class RolloutEngine:
@@ -254,7 +264,7 @@ class RolloutEngine:
         jnp.bool_(bool(sched.queue or sched.preempted)), jnp.int32(c.round_budget),
         jnp.int32(io.shrink_at(slots)), k=k, slots=slots, pages=pages)
     rounds = int(rounds)
-    seconds = time.perf_counter() - t_call
+    seconds = _run_clock(time.perf_counter() - t_call)
     first_call = (k, slots, pages) not in self.decode_shapes
     self.decode_shapes.add((k, slots, pages))
     self.stats["decode_s"] += seconds
