@@ -1,9 +1,9 @@
 """Multi-host training as two ``jax.distributed`` processes on localhost (CPU, gloo), 4
 fake devices each, on a global mesh spanning both: the parameters of one process with
-the same mesh, checkpoint and resume across processes, a killed process stops the other,
-only process 0 writes the run directory's files, each process reads only its shards of
-a HF checkpoint; a setup that cannot work stops with a clear error before any weight
-is read."""
+the same mesh (AR, a distilled draft model, offloading preemptions), checkpoint and
+resume across processes, a killed process stops the other, only process 0 writes the
+run directory's files, each process reads only its shards of a HF checkpoint; a setup
+that cannot work stops with a clear error before any weight is read."""
 
 import json
 import os
@@ -56,6 +56,16 @@ reads.setLevel(logging.DEBUG)
 reads.propagate = False
 reads.addHandler(logging.FileHandler(record + ".reads"))
 rewards.REWARDS["parity"] = lambda response, answer: len(response) % 2
+if os.environ.get("TEST_OFFLOAD"):  # KV grows a page at a time, preemption offloads
+  import dataclasses
+  from spec_rl_jax.rollout import slot_io
+  from spec_rl_jax.rollout.scheduler import SchedulerConfig
+  engine_config, preempt, modes = train.engine_config, slot_io.SlotIO.preempt, []
+  train.engine_config = lambda cfg, eos: dataclasses.replace(
+      engine_config(cfg, eos), scheduler=SchedulerConfig("naive", grow_tokens=16))
+  slot_io.SlotIO.preempt = lambda self, state, seq, mode, *a: (
+      modes.append(mode), preempt(self, state, seq, mode, *a))[1]
+  atexit.register(lambda: json.dump(modes, open(record + ".preempted", "w")))
 train.main(sys.argv[1:])
 """
 
@@ -269,6 +279,21 @@ def test_draft_model_rollouts_on_two_processes(models, prompts, tmp_path):
     _assert_same(_final_params(tmp_path / "two", key)[1],
                  _final_params(tmp_path / "one", key)[1])
   assert all(r["spec/acceptance_length"] > 1 for r in read_metrics(str(tmp_path / "two")))
+
+
+@pytest.mark.slow
+def test_offloaded_preemptions_on_two_processes(models, prompts, tmp_path, monkeypatch):
+  """A KV budget short of the batch's: sequences preempted (their KV pages copied to
+  host memory on every process, the same preemptions on both) and restored give the
+  one-process parameters, bit for bit."""
+  monkeypatch.setenv("TEST_OFFLOAD", "1")
+  extra = {"rollout.num_pages": 8, "rollout.max_new_tokens": 40}
+  logs = {n: _train(tmp_path, n, _args(models, tmp_path / n, prompts, **extra), p)
+          for n, p in (("two", 2), ("one", 1))}
+  preempted = [json.loads((logs["two"] / f"{i}.preempted").read_text()) for i in range(2)]
+  assert preempted[0] == preempted[1] == json.loads((logs["one"] / "0.preempted").read_text())
+  assert preempted[0] and set(preempted[0]) == {"offload"}
+  _assert_same(_final_params(tmp_path / "two")[1], _final_params(tmp_path / "one")[1])
 
 
 @pytest.mark.slow
