@@ -92,6 +92,12 @@ def ensure_default_models(cfg: TrainConfig) -> None:
   missing = [p for p in wanted
              if p in sft.TARGETS and not os.path.exists(checkpoint.resolve_path(p))]
   stale = sft.stale_targets([p for p in wanted if p in sft.TARGETS and p not in missing])
+  if (missing or stale) and jax.process_count() > 1:
+    raise RuntimeError(f"default models {missing + stale} are not in"
+                       f" {checkpoint.cache_dir()} (or are from an older recipe), and"
+                       f" {jax.process_count()} processes must not train them into one cache"
+                       " at once: run python -m spec_rl_jax.sft on one process first, or"
+                       " name the models' paths")
   if missing or stale:
     print(f"default models {missing + stale} not in {checkpoint.cache_dir()}"
           + (f" ({stale} are from an older recipe)" if stale else "")

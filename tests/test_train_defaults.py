@@ -4,6 +4,8 @@ import dataclasses
 import json
 import os
 
+import pytest
+
 from spec_rl_jax import sft, train
 from spec_rl_jax.config import TrainConfig
 from spec_rl_jax.tasks.bpe import default_tokenizer_spec
@@ -30,6 +32,14 @@ def test_missing_defaults_are_produced_once(tmp_path, monkeypatch):
   os.rmdir(tmp_path / "draft")
   train.ensure_default_models(cfg)
   assert calls[-1] == ["draft"]
+
+
+def test_several_processes_do_not_train_the_defaults(tmp_path, monkeypatch):
+  monkeypatch.setenv("SPEC_RL_JAX_CACHE", str(tmp_path))
+  monkeypatch.setattr(sft, "produce", lambda *a, **k: pytest.fail("trained"))
+  monkeypatch.setattr(train.jax, "process_count", lambda: 2)
+  with pytest.raises(RuntimeError, match=r"2 processes must not train them into one cache"):
+    train.ensure_default_models(TrainConfig())
 
 
 def _cache(tmp_path, recipes, spec):
