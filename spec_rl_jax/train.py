@@ -162,6 +162,8 @@ class Trainer:
     # The policy's and its drafters' attention: a backend without the asked-for kernels
     # stops here, before any weight (the default models' SFT included).
     impl = attention.resolve_impl(cfg.policy.attention_impl)
+    logging.info("attention: %s (policy.attention_impl=%s on %s)", impl,
+                 cfg.policy.attention_impl, jax.default_backend())
     ensure_default_models(cfg)
     plan.check(cfg)  # a recipe that does not fit the chips stops here, before any weight
     policy, tokenizer = checkpoint.load_model(checkpoint.resolve_path(cfg.policy.path), impl,
