@@ -72,7 +72,9 @@ class HeadKind:
   ``step_logits(head, tables, tokens, policy_out, valid, options) -> [s, B, T, Vd]``:
   every draft step's logits at every position (``tables``: the policy's embedding and
   LM head); ``teacher(head, logits [B, T, V]) -> [B, T, Vd]``: the policy's logits on the
-  drafts' vocabulary; ``loss(step_logits, teacher, mask) -> (loss, {name: scalar})``.
+  drafts' vocabulary; ``loss(step_logits, teacher, weight) -> (loss, {name: scalar})``,
+  ``weight [B, T]`` the positions' weights, summing to 1 over the batch the loss
+  averages (`mask_weights` here; the RL learner's drafter weights, rl/learner.py).
   """
 
   Options: type
@@ -94,13 +96,16 @@ def _eagle3_logits(head, tables, tokens, policy_out, valid, options: Eagle3Optio
   return eagle3.training_time_test(head, e, policy_out.hidden, valid, options.ttt_steps)
 
 
-def _eagle3_loss(step_logits, teacher, mask):
+def _eagle3_loss(step_logits, teacher, weight):
+  """Step ``s`` averages over the positions ``j >= s`` (a round that started at
+  ``j - s``), renormalised to ``weight``'s total mass."""
   loss, metrics = 0.0, {}
-  T = mask.shape[1]
+  T = weight.shape[1]
+  total = weight.sum()
   for s in range(step_logits.shape[0]):
-    m = mask * (jnp.arange(T) >= s)[None, :]  # step s of a round that started at j - s
+    m = weight * (jnp.arange(T) >= s)[None, :]
     kl = (losses.distill_loss("forward_kl", step_logits[s], teacher) * m).sum()
-    kl = kl / jnp.maximum(m.sum(), 1.0)
+    kl = kl * total / jnp.maximum(m.sum(), jnp.finfo(jnp.float32).tiny)
     loss = loss + STEP_DECAY ** s * kl
     metrics[f"kl_{s}"] = kl
   return loss, metrics
@@ -115,8 +120,8 @@ def _mtp_logits(heads, tables, tokens, policy_out, valid, options: MTPOptions):
   return mtp.forward(heads, tables, tokens, policy_out.hidden[0], valid)
 
 
-def _mtp_loss(step_logits, teacher, mask):
-  loss, m = mtp.distill_loss(step_logits, teacher, mask)
+def _mtp_loss(step_logits, teacher, weight):
+  loss, m = mtp.distill_loss(step_logits, teacher, weight)
   return loss, {f"kl_{d}": kl for d, kl in enumerate(m["kl"])}
 
 
@@ -153,13 +158,28 @@ def _policy_pass(policy_graphdef, policy_params, head, tokens, valid):
   return jax.lax.stop_gradient((out, tables))
 
 
-def head_loss(head, tables, policy_out, batch, kind: HeadKind, options):
-  """The kind's distillation loss of ``head`` on ``batch`` (response positions), with
-  the step-0 top-1 agreement with the policy among its metrics."""
-  step_logits = kind.step_logits(head, tables, batch["tokens"], policy_out, batch["valid"],
-                                 options)
+def mask_weights(mask: jax.Array) -> jax.Array:
+  """``mask / Σ mask``: the positions' weights of a loss averaged over ``mask``."""
+  return mask / jnp.maximum(mask.sum(), 1.0)
+
+
+def head_distill(head, tables, policy_out, tokens, valid, weight, kind: HeadKind, options):
+  """``(loss, metrics, step_logits, teacher)``: the kind's distillation loss of ``head``
+  against the policy's outputs ``policy_out`` (stop-gradient) on ``tokens``, positions
+  weighted by ``weight`` (`HeadKind`). The one head loss of SFT and of RL's online
+  drafter training."""
+  step_logits = kind.step_logits(head, tables, tokens, policy_out, valid, options)
   teacher = kind.teacher(head, policy_out.logits)
-  loss, metrics = kind.loss(step_logits, teacher, batch["loss_mask"])
+  loss, metrics = kind.loss(step_logits, teacher, weight)
+  return loss, metrics, step_logits, teacher
+
+
+def head_loss(head, tables, policy_out, batch, kind: HeadKind, options):
+  """The kind's distillation loss of ``head`` on ``batch`` (averaged over the response
+  positions), with the step-0 top-1 agreement with the policy among its metrics."""
+  loss, metrics, step_logits, teacher = head_distill(
+      head, tables, policy_out, batch["tokens"], batch["valid"],
+      mask_weights(batch["loss_mask"]), kind, options)
   agree = (step_logits[0].argmax(-1) == teacher.argmax(-1)) * batch["loss_mask"]
   metrics["top1_agreement"] = agree.sum() / jnp.maximum(batch["loss_mask"].sum(), 1.0)
   return loss, {**metrics, "loss": loss}

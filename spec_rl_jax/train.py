@@ -34,9 +34,10 @@ checkpoint with the same future. A run directory is itself a ``policy.path`` (it
 checkpoint) for the next run; ``python -m spec_rl_jax.export RUN_DIR OUT_DIR`` writes
 its policy (and draft model) as HF checkpoints.
 
-The draft model learns with the policy when ``drafter.train.every > 0``: every that many
-steps the learner's update distils it from the policy on the step's rollouts
-(rl/learner.py), and the engine drafts with the new weights from the next step on.
+The draft model (or MTP head) learns with the policy when ``drafter.train.every > 0``:
+every that many steps the learner's update distils it from the policy on the step's
+rollouts (rl/learner.py), and the engine drafts with the new weights from the next step
+on.
 ``spec/draft_lag_steps`` is how many policy updates separate the policy the drafter
 was last distilled from (its teacher) and the policy the next rollout samples from:
 1 when it trains every step, the step count when frozen.
@@ -66,7 +67,7 @@ from spec_rl_jax.models import attention
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
-from spec_rl_jax.rl.learner import Learner, pack_rollouts
+from spec_rl_jax.rl.learner import ONLINE_HEADS, Learner, pack_rollouts
 from spec_rl_jax.rl.pipeline import PIPELINES, Rollouts, Schedule
 from spec_rl_jax.rl.prompts import prompt_stream
 from spec_rl_jax.rl.rewards import score_batch
@@ -180,8 +181,9 @@ class Trainer:
     self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer,
                                     self.rollout_mesh, config=cfg.drafter.options)
                      if cfg.drafter.k_max else None)
-    self.learner = Learner(policy, cfg.learner, r.max_new_tokens, self._drafter_to_train(),
-                           cfg.drafter.train, r.temperature)
+    drafter, draft_head = self._drafter_to_train()
+    self.learner = Learner(policy, cfg.learner, r.max_new_tokens, drafter, cfg.drafter.train,
+                           r.temperature, draft_head)
     self.learner.check_batch_size(self.N)
     self.engine = RolloutEngine(
         policy, engine_config(cfg, tokenizer.eos_ids), tokenizer, self.proposer,
@@ -200,11 +202,11 @@ class Trainer:
         self.engine, self.rollout,
         Schedule(self.step, cfg.steps, cfg.rl.max_staleness, self._barrier))
 
-  def _drafter_to_train(self) -> nnx.Module | None:
-    """The proposer's model when ``drafter.train.every > 0`` (clear errors when there is
-    none to train)."""
+  def _drafter_to_train(self) -> tuple[nnx.Module | None, str | None]:
+    """The proposer's model when ``drafter.train.every > 0`` and, for a draft head, its
+    kind (clear errors when there is none to train)."""
     if not self.cfg.drafter.train.every:
-      return None
+      return None, None
     if self.proposer is None:
       raise ValueError("drafter.train.every > 0 but the rollouts do not draft"
                        " (drafter.num_draft_tokens=0): there is no drafter to train")
@@ -212,14 +214,16 @@ class Trainer:
       raise ValueError(f"drafter.train.every > 0 but the {self.cfg.drafter.proposer!r}"
                        " proposer has no weights to train (use drafter.proposer=draft_model,"
                        " or drafter.train.every=0)")
-    if not isinstance(self.proposer.model(), Decoder):
-      raise ValueError(f"drafter.train.every > 0: online training covers draft models; the"
-                       f" {self.cfg.drafter.proposer!r} head trains offline (python -m"
-                       f" spec_rl_jax.sft --target {self.cfg.drafter.proposer}): set"
-                       " drafter.train.every=0")
     drafter = self.proposer.model()
-    drafter.cfg = drafter.cfg.replace(remat=self.cfg.learner.rematerialize)
-    return drafter
+    if isinstance(drafter, Decoder):
+      drafter.cfg = drafter.cfg.replace(remat=self.cfg.learner.rematerialize)
+      return drafter, None
+    if self.proposer.name not in ONLINE_HEADS:
+      raise ValueError(f"drafter.train.every > 0: online training covers draft models and"
+                       f" the {list(ONLINE_HEADS)} heads; the {self.proposer.name!r} head"
+                       f" trains offline (python -m spec_rl_jax.sft --target"
+                       f" {self.proposer.name}): set drafter.train.every=0")
+    return drafter, self.proposer.name
 
   # ------------------------------------------------------------------ checkpoints
 

@@ -319,7 +319,7 @@ def test_distill_loss_by_hand():
   teacher = rng.normal(size=(2, 3, 5)).astype(np.float32) * 2
   teacher[0, 0] = logits[0, 0, 0] + 1.0  # module 1 agrees with the teacher there
   mask = np.asarray([[0, 1, 1], [1, 1, 0]], np.float32)
-  loss, metrics = jax.jit(mtp.distill_loss)(logits, teacher, mask)
+  loss, metrics = jax.jit(mtp.distill_loss)(logits, teacher, mask / mask.sum())
 
   def log_softmax(x):
     x = x.astype(np.float64) - x.max(-1, keepdims=True)
@@ -333,7 +333,7 @@ def test_distill_loss_by_hand():
   np.testing.assert_allclose(loss, per_module.mean(), rtol=1e-5)
   np.testing.assert_allclose(metrics["accuracy"], acc)
   # The gradient reaches the heads, never the teacher.
-  g_student, g_teacher = jax.grad(lambda s, t: mtp.distill_loss(s, t, mask)[0],
+  g_student, g_teacher = jax.grad(lambda s, t: mtp.distill_loss(s, t, mask / mask.sum())[0],
                                   argnums=(0, 1))(jnp.asarray(logits), jnp.asarray(teacher))
   assert np.abs(g_student).sum() > 0 and not np.any(g_teacher)
 
@@ -355,7 +355,7 @@ def test_forward_trains_the_heads(policy):
   def step(params):
     def loss_fn(p):
       logits = mtp.forward(nnx.merge(gd, p), tables, toks, out.hidden[0], valid)
-      return mtp.distill_loss(logits, out.logits, valid)[0]
+      return mtp.distill_loss(logits, out.logits, valid / valid.sum())[0]
     loss, g = jax.value_and_grad(loss_fn)(params)
     return jax.tree.map(lambda p, g: p - 0.5 * g, params, g), loss
 

@@ -225,20 +225,23 @@ def forward(heads: MTPHeads, tables: PolicyTables, tokens: jax.Array, h0: jax.Ar
   return heads.logits(h, tables.head)
 
 
-def distill_loss(logits: jax.Array, teacher: jax.Array, mask: jax.Array
+def distill_loss(logits: jax.Array, teacher: jax.Array, weight: jax.Array
                  ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Forward KL(teacher || module ``d``) of ``logits [D_m, B, T, V]`` against the
   policy's ``teacher [B, T, V]`` (both at position ``j``: distributions of ``t_{j+1}``),
-  averaged over modules and the positions ``mask [B, T]`` marks (response tokens).
+  averaged over modules and summed over positions weighted by ``weight [B, T]``.
+
+  ``weight`` sums to 1 over the batch the loss averages: the response-token mask over
+  its count (SFT), or the learner's per-token drafter weights, normalised over a
+  mini-batch so that its micro-batches' losses add up to the mini-batch's.
 
   Returns ``(loss, metrics)``: ``kl [D_m]`` and ``accuracy [D_m]`` (each module's
-  argmax against the teacher's) per module."""
+  argmax against the teacher's) per module, weighted alike."""
   kl = losses.distill_loss("forward_kl", logits, teacher[None])  # [D_m, B, T]
-  m = mask.astype(jnp.float32)
-  count = jnp.maximum(m.sum(), 1.0)
-  per_module = (kl * m).sum((1, 2)) / count
+  w = weight.astype(jnp.float32)
+  per_module = (kl * w).sum((1, 2))
   hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)[None]
-  accuracy = (hit * m).sum((1, 2)) / count
+  accuracy = (hit * w).sum((1, 2))
   return per_module.mean(), {"kl": per_module, "accuracy": accuracy}
 
 

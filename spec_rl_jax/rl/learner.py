@@ -28,7 +28,11 @@ With a drafter to train (``drafter.train``), the same update distils it from the
 (NeMo-RL's ``L = L_policy + λ·L_draft``; ReSpec's online drafter): the policy's logits
 of the step's forward, stop-gradient, are the teacher of the drafter's forward on the
 same tokens; the drafter has its own optimizer state, on the same mesh by the same
-rules (losses.py holds the divergences and the per-sequence weights).
+rules (losses.py holds the divergences and the per-sequence weights). A draft head
+(MTP, Eagle3: ``head_sft.HEADS``) reads the policy's hidden states: the same forward
+also returns the layers the head reads, stop-gradient like the logits, and the head
+trains with its kind's loss, the one SFT uses (`head_sft.head_distill`), its positions
+weighted by the drafter weights.
 
 A non-finite loss or gradient leaves that model's state unchanged (the step is skipped
 inside the jitted update) and is reported as ``skipped`` (``draft_skipped``).
@@ -51,8 +55,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from spec_rl_jax import sharding
+from spec_rl_jax import head_sft, sharding
 from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig
+from spec_rl_jax.models import mtp
 from spec_rl_jax.models.layout import (chunk_rows, training_compiler_options,
                                        training_forward_tokens)
 from spec_rl_jax.models.transformer import Decoder, teacher_forced
@@ -63,6 +68,8 @@ _SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio", "draft_accept"
 # What the accumulator carries besides the gradients (the losses: weighted sums).
 _STATS = ("loss", "draft_loss", *_SUMS)
 BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
+# The `head_sft.HEADS` kinds the learner trains online (the others train offline only).
+ONLINE_HEADS = ("mtp",)
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -111,11 +118,16 @@ def make_optimizer(cfg: LearnerConfig | DrafterTrainConfig) -> optax.GradientTra
 
 @dataclasses.dataclass(frozen=True)
 class DistillParams:
-  """The drafter's loss: a `losses.DISTILL_LOSSES` name, λ, the sampling temperature."""
+  """The drafter's loss: a `losses.DISTILL_LOSSES` name, λ, the sampling temperature;
+  for a draft head, its `head_sft.HEADS` kind (None: a draft `Decoder`), the policy
+  layers it reads and its non-trained variables (e.g. Eagle3's vocabulary tables)."""
 
   loss: str
   loss_weight: float
   temperature: float
+  head: str | None = None
+  hidden_layers: tuple[int, ...] = ()
+  frozen: Any = None
 
 
 def target_logp(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -142,7 +154,9 @@ def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_nam
   only its own forward and backward, and its loss sends no gradient into the policy.
   """
   params, draft_params = trainable
-  logits = teacher_forced(graphdef, params, mb["tokens"], mb["valid"]).logits  # [m, T, V]
+  hidden_layers = distill.hidden_layers if draft_params is not None else ()
+  out = teacher_forced(graphdef, params, mb["tokens"], mb["valid"], hidden_layers)
+  logits = out.logits  # [m, T, V]
   logp = target_logp(logits, mb["targets"])
   loss_fn = losses.get_policy_loss(loss_name)
   proximal = {"prox_logp": mb["prox_logp"]} if losses.takes_proximal(loss_fn) else {}
@@ -164,13 +178,36 @@ def _micro_loss(trainable, ref_params, mb, *, graphdef, draft_graphdef, loss_nam
           "draft_loss": jnp.float32(0), "draft_accept": jnp.float32(0)}
   if draft_params is None:
     return loss, sums
-  draft_logits = teacher_forced(draft_graphdef, draft_params, mb["tokens"], mb["valid"]).logits
-  d = losses.distill_loss(distill.loss, draft_logits, logits, distill.temperature)
-  sums["draft_loss"] = (d * mb["draft_weight"]).sum()
+  distill_fn = _decoder_distill if distill.head is None else _head_distill
+  sums["draft_loss"], student, teacher = distill_fn(
+      draft_params, sg(out), mb, graphdef=graphdef, params=params,
+      draft_graphdef=draft_graphdef, distill=distill)
   scale = 1.0 / distill.temperature if distill.temperature > 0 else 1.0
-  alpha = losses.acceptance_prob(sg(draft_logits) * scale, sg(logits) * scale)
+  alpha = losses.acceptance_prob(sg(student) * scale, sg(teacher) * scale)
   sums["draft_accept"] = (alpha * m).sum()
   return loss + distill.loss_weight * sums["draft_loss"], sums
+
+
+def _decoder_distill(draft_params, out, mb, *, graphdef, params, draft_graphdef, distill):
+  """A draft `Decoder`'s ``(L_draft = Σ w_d d, its logits, the policy's logits)``."""
+  del graphdef, params
+  draft_logits = teacher_forced(draft_graphdef, draft_params, mb["tokens"], mb["valid"]).logits
+  d = losses.distill_loss(distill.loss, draft_logits, out.logits, distill.temperature)
+  return (d * mb["draft_weight"]).sum(), draft_logits, out.logits
+
+
+def _head_distill(draft_params, out, mb, *, graphdef, params, draft_graphdef, distill):
+  """A draft head's ``(L_draft, its first draft's logits, the policy's on the head's
+  vocabulary)``: its kind's loss (`head_sft.head_distill`) on the policy's outputs
+  ``out`` and embedding and LM head tables, all stop-gradient, positions weighted by
+  the drafter weights ``w_d``. The kind's options (e.g. Eagle3's unrolled draft steps)
+  are its defaults: the rollouts' config does not name them."""
+  kind = head_sft.head_kind(distill.head)
+  head = nnx.merge(draft_graphdef, draft_params, distill.frozen)
+  tables = jax.lax.stop_gradient(mtp.policy_tables(graphdef, params))
+  loss, _, step_logits, teacher = head_sft.head_distill(
+      head, tables, out, mb["tokens"], mb["valid"], mb["draft_weight"], kind, kind.Options())
+  return loss, step_logits[0], teacher
 
 
 def accumulate_grads(acc, trainable, ref_params, micros, **loss_kw):
@@ -226,11 +263,14 @@ def apply_grads(state, grads, stats, *, tx, draft_tx):
 class Learner:
   """Holds ``{"params", "opt"}`` of the policy (and a frozen reference when β > 0);
   with a ``drafter`` and ``draft_cfg``, also ``{"draft", "draft_opt"}``: the drafter
-  distilled from the policy in the same update (`update(..., train_draft=True)`)."""
+  distilled from the policy in the same update (`update(..., train_draft=True)`); a
+  draft head names its ``head_sft.HEADS`` kind in ``draft_head`` (``{"draft"}`` holds its
+  ``nnx.Param`` s, its other variables stay as they are)."""
 
   def __init__(self, model: Decoder, cfg: LearnerConfig, max_response_len: int,
-               drafter: Decoder | None = None, draft_cfg: DrafterTrainConfig | None = None,
-               temperature: float = 1.0):
+               drafter: nnx.Module | None = None,
+               draft_cfg: DrafterTrainConfig | None = None, temperature: float = 1.0,
+               draft_head: str | None = None):
     self.cfg, self.max_response_len, self.draft_cfg = cfg, max_response_len, draft_cfg
     self.graphdef, params = nnx.split(model)
     params = nnx.to_pure_dict(params)
@@ -245,16 +285,14 @@ class Learner:
     if drafter is not None:
       if draft_cfg is None:
         raise ValueError("a drafter to train needs its DrafterTrainConfig")
-      if drafter.cfg.vocab_size != model.cfg.vocab_size:
-        raise ValueError(f"the drafter's vocabulary ({drafter.cfg.vocab_size} tokens) differs"
-                         f" from the policy's ({model.cfg.vocab_size}): it cannot be"
-                         " distilled from the policy's next-token distributions")
-      self.draft_graphdef, draft = nnx.split(drafter)
+      distill = self._distill_params(model, drafter, draft_cfg, temperature, draft_head)
+      self.draft_graphdef, draft, frozen = nnx.split(drafter, nnx.Param, ...)
       # The drafter's weights and moments follow the same sharding rules on the same mesh.
       draft = nnx.to_pure_dict(sharding.device_put_state(draft, mesh))
+      self._draft_frozen = sharding.device_put_state(frozen, mesh)
+      distill = dataclasses.replace(distill, frozen=self._draft_frozen)
       self.draft_tx = make_optimizer(draft_cfg)
       self.state.update(draft=draft, draft_opt=self._init_opt(self.draft_tx, draft))
-      distill = DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature)
     # β > 0: a frozen copy of the initial policy (a separate buffer: state is donated).
     self.ref_params = (jax.tree.map(jnp.copy, params) if cfg.kl_coef > 0 else None)
     self.loss_params = losses.LossParams(cfg.clip_eps_low, cfg.clip_eps_high, cfg.kl_coef,
@@ -288,6 +326,27 @@ class Learner:
                           donate_argnums=0, out_shardings=(state_shardings, replicated),
                           compiler_options=training_compiler_options())
 
+  @staticmethod
+  def _distill_params(model: Decoder, drafter: nnx.Module, draft_cfg: DrafterTrainConfig,
+                      temperature: float, draft_head: str | None) -> DistillParams:
+    """The drafter's `DistillParams`; raises for a drafter this policy cannot teach."""
+    if draft_head is None:
+      if drafter.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"the drafter's vocabulary ({drafter.cfg.vocab_size} tokens)"
+                         f" differs from the policy's ({model.cfg.vocab_size}): it cannot"
+                         " be distilled from the policy's next-token distributions")
+      return DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature)
+    if draft_head not in ONLINE_HEADS:
+      raise ValueError(f"a {draft_head!r} head trains offline only (python -m spec_rl_jax.sft"
+                       f" --target {draft_head}); online: draft models and {ONLINE_HEADS}")
+    drafter.cfg.check_policy(model.cfg)
+    if draft_cfg.loss != "forward_kl":
+      raise ValueError(f"drafter.train.loss={draft_cfg.loss!r}: a {draft_head} head trains"
+                       " with its kind's loss (head_sft: forward KL); set"
+                       " drafter.train.loss=forward_kl")
+    return DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature, draft_head,
+                         tuple(drafter.cfg.hidden_layers))
+
   def _init_opt(self, tx: optax.GradientTransformation, params: Any) -> Any:
     """``tx``'s state with Adam's moments laid out like ``params``; counters replicated."""
     opt_shardings = optax.tree_map_params(
@@ -300,11 +359,12 @@ class Learner:
     """The current policy as a `Decoder` (shares the learner's buffers)."""
     return nnx.merge(self.graphdef, self.state["params"])
 
-  def draft_model(self) -> Decoder | None:
-    """The drafter being trained as a `Decoder` (None: the learner trains none)."""
+  def draft_model(self) -> nnx.Module | None:
+    """The drafter being trained, a `Decoder` or a head (None: the learner trains none;
+    shares the learner's buffers)."""
     if self.draft_graphdef is None:
       return None
-    return nnx.merge(self.draft_graphdef, self.state["draft"])
+    return nnx.merge(self.draft_graphdef, self.state["draft"], self._draft_frozen)
 
   def check_batch_size(self, N: int) -> None:
     """``N`` responses must split into mini-batches of whole micro-batches."""
