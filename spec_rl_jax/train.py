@@ -34,7 +34,7 @@ checkpoint with the same future. A run directory is itself a ``policy.path`` (it
 checkpoint) for the next run; ``python -m spec_rl_jax.export RUN_DIR OUT_DIR`` writes
 its policy (and draft model) as HF checkpoints.
 
-The draft model (or MTP head) learns with the policy when ``drafter.train.every > 0``:
+The draft model (or MTP / Eagle3 head) learns with the policy when ``drafter.train.every > 0``:
 every that many steps the learner's update distils it from the policy on the step's
 rollouts (rl/learner.py), and the engine drafts with the new weights from the next step
 on.
@@ -67,7 +67,7 @@ from spec_rl_jax.models import attention
 from spec_rl_jax.models.transformer import Decoder
 from spec_rl_jax.rl import metrics as obs
 from spec_rl_jax.rl.advantages import compute_advantages
-from spec_rl_jax.rl.learner import ONLINE_HEADS, Learner, pack_rollouts
+from spec_rl_jax.rl.learner import Learner, pack_rollouts
 from spec_rl_jax.rl.pipeline import PIPELINES, Rollouts, Schedule
 from spec_rl_jax.rl.prompts import prompt_stream
 from spec_rl_jax.rl.rewards import score_batch
@@ -218,20 +218,21 @@ class Trainer:
     if isinstance(drafter, Decoder):
       drafter.cfg = drafter.cfg.replace(remat=self.cfg.learner.rematerialize)
       return drafter, None
-    if self.proposer.name not in ONLINE_HEADS:
-      raise ValueError(f"drafter.train.every > 0: online training covers draft models and"
-                       f" the {list(ONLINE_HEADS)} heads; the {self.proposer.name!r} head"
-                       f" trains offline (python -m spec_rl_jax.sft --target"
-                       f" {self.proposer.name}): set drafter.train.every=0")
     return drafter, self.proposer.name
 
   # ------------------------------------------------------------------ checkpoints
 
   def _ckpt_state(self) -> dict:
+    """The learner's state and the counters; ``draft`` holds the drafter's whole state,
+    trained or not (with a head's untrained variables, e.g. Eagle3's ``d2t``, which the
+    learner keeps apart: export reads the whole head from it)."""
     state = {**self.learner.state,
              "counters": {k: np.int64(v) for k, v in dataclasses.asdict(self.counters).items()}}
-    if "draft" not in state and self.proposer is not None and self.proposer.model() is not None:
-      state["draft"] = nnx.to_pure_dict(nnx.state(self.proposer.model()))
+    drafter = self.learner.draft_model()
+    if drafter is None and self.proposer is not None:
+      drafter = self.proposer.model()
+    if drafter is not None:
+      state["draft"] = nnx.to_pure_dict(nnx.state(drafter))
     return state
 
   def _meta(self) -> dict:
@@ -286,11 +287,12 @@ class Trainer:
     self.step = int(self.ckpt.latest_step())
     self.counters = Counters(**{k: int(v) for k, v in state.pop("counters").items()})
     drafter = None
-    if self.learner.draft_model() is None and "draft" in state:
+    if "draft" in state:
       drafter = nnx.merge(nnx.graphdef(self.proposer.model()), state.pop("draft"))
+      if self.learner.draft_model() is not None:  # the learner trains its parameters
+        state["draft"] = nnx.to_pure_dict(nnx.state(drafter, nnx.Param))
     self.learner.state = state
-    self.engine.set_weights(self.learner.model(), drafter or self.learner.draft_model(),
-                            version=self.step)
+    self.engine.set_weights(self.learner.model(), drafter, version=self.step)
     if self.proposer is not None:
       self.proposer.load_host_state(meta["proposer_memory"])
 

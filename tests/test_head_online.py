@@ -1,6 +1,7 @@
-"""Online training of a draft head (MTP) in the learner's update: the head's loss is
-SFT's (`head_sft`) on the update's own policy forward, the policy's update is the one
-without a head, and a non-finite head loss is skipped without reaching the policy."""
+"""Online training of a draft head (MTP, Eagle3) in the learner's update: the head's
+loss is SFT's (`head_sft`) on the update's own policy forward, the policy's update is
+the one without a head, a non-finite head loss is skipped without reaching the policy,
+and RL runs draft with the trained head, losslessly, and resume it exactly."""
 
 import dataclasses
 
@@ -11,9 +12,9 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from spec_rl_jax import checkpoint, head_sft, sharding, train
+from spec_rl_jax import checkpoint, export, head_sft, sharding, train
 from spec_rl_jax.config import DrafterTrainConfig, LearnerConfig, load_config
-from spec_rl_jax.models import eagle3, mtp
+from spec_rl_jax.models import eagle3, eagle3_io, mtp
 from spec_rl_jax.models.config import get_preset
 from spec_rl_jax.models.transformer import init_decoder
 from spec_rl_jax.rl import losses, rewards
@@ -36,8 +37,14 @@ def _leaves(tree):
   return [np.asarray(x) for x in jax.tree.leaves(tree)]
 
 
+# A fresh head of each kind for the policy CFG.
+HEADS = {"mtp": lambda: mtp.init_heads(mtp.MTPConfig(2, CFG), seed=3),
+         "eagle3": lambda: eagle3.init_head(eagle3.Eagle3Config.for_policy(CFG, (1, 1, 1)),
+                                            seed=2)}
+
+
 def _heads() -> mtp.MTPHeads:
-  return mtp.init_heads(mtp.MTPConfig(2, CFG), seed=3)
+  return HEADS["mtp"]()
 
 
 def _learner(heads=None, draft_cfg=TRAIN, kind="mtp") -> Learner:
@@ -54,20 +61,24 @@ def policy_only():
   return _leaves(learner.state["params"])
 
 
-def test_online_mtp_loss_is_sfts_and_leaves_the_policy_update(policy_only):
-  learner = _learner(_heads())
+@pytest.mark.parametrize("name", HEADS)
+def test_online_head_loss_is_sfts_and_leaves_the_policy_update(policy_only, name):
+  learner = _learner(HEADS[name](), kind=name)
   head0 = learner.draft_model()
   before = _leaves(learner.state["draft"])
   batch = _batch()
   # SFT's loss of the head on the same batch (one mini-batch: uniform weights are the
   # response mask's mean), from the policy's outputs at the update's parameters.
-  kind = head_sft.head_kind("mtp")
+  kind = head_sft.head_kind(name)
   out, tables = head_sft._policy_pass(learner.graphdef, learner.state["params"], head0,
                                       batch["tokens"], batch["valid"])
   sft_batch = {"tokens": batch["tokens"], "valid": batch["valid"], "loss_mask": batch["mask"]}
   want_loss, _ = head_sft.head_loss(head0, tables, out, sft_batch, kind, kind.Options())
-  q = mtp.forward(head0, tables, batch["tokens"], out.hidden[0], batch["valid"])[0]
-  alpha = losses.acceptance_prob(q, out.logits)
+  # The first draft's acceptance against the policy, on the head's vocabulary.
+  _, _, q, p = head_sft.head_distill(head0, tables, out, batch["tokens"], batch["valid"],
+                                     head_sft.mask_weights(batch["mask"]), kind,
+                                     kind.Options())
+  alpha = losses.acceptance_prob(q[0], p)
   want_accept = float((alpha * batch["mask"]).sum() / batch["mask"].sum())
 
   metrics = learner.update(batch, train_draft=True)
@@ -77,7 +88,7 @@ def test_online_mtp_loss_is_sfts_and_leaves_the_policy_update(policy_only):
   for x, y in zip(_leaves(learner.state["params"]), policy_only, strict=True):
     np.testing.assert_allclose(x, y, rtol=0, atol=1e-7)
   assert max(np.abs(x - y).max() for x, y in zip(_leaves(learner.state["draft"]), before)) > 0
-  assert isinstance(learner.draft_model(), mtp.MTPHeads)
+  assert type(learner.draft_model()) is type(head0)
   assert learner.draft_model().cfg == head0.cfg
 
 
@@ -116,9 +127,8 @@ def test_heads_that_cannot_train_online():
   other = mtp.init_heads(mtp.MTPConfig(2, dataclasses.replace(CFG, vocab_size=64)), seed=3)
   with pytest.raises(ValueError, match="vocabulary"):
     _learner(other)
-  head = eagle3.init_head(eagle3.Eagle3Config.for_policy(CFG, (1, 1, 1)), seed=2)
-  with pytest.raises(ValueError, match="offline only"):
-    _learner(head, kind="eagle3")
+  with pytest.raises(ValueError, match="unknown head 'medusa'"):
+    _learner(_heads(), kind="medusa")
 
 
 # --------------------------------------------------------------------------- RL runs
@@ -130,8 +140,8 @@ def models(tmp_path_factory):
 
 
 # Greedy rollouts: whatever the head drafts, the responses are the policy's argmax.
-MTP_ONLINE = {"drafter.proposer": "mtp", "drafter.num_draft_tokens": 2,
-              "drafter.train.every": 1, "rollout.temperature": 0.0}
+ONLINE = {"drafter.num_draft_tokens": 2, "drafter.train.every": 1, "rollout.temperature": 0.0}
+LOAD = {"mtp": mtp.load_mtp, "eagle3": eagle3_io.load_eagle3}
 
 
 def _run(models, run_dir, monkeypatch, resume=False, **extra):
@@ -152,53 +162,55 @@ def _run(models, run_dir, monkeypatch, resume=False, **extra):
   return trainer, read_metrics(str(run_dir)), texts
 
 
-@pytest.fixture(scope="module")
-def mtp_run(models, tmp_path_factory):
-  """Two greedy steps that train the MTP head online."""
+@pytest.fixture(scope="module", params=["mtp", pytest.param("eagle3", marks=pytest.mark.slow)])
+def head_run(models, tmp_path_factory, request):
+  """``(kind, run)``: two greedy steps that train the ``kind`` head online."""
   with pytest.MonkeyPatch.context() as monkeypatch:
-    return _run(models, tmp_path_factory.mktemp("mtp"), monkeypatch, **MTP_ONLINE)
+    return request.param, _run(models, tmp_path_factory.mktemp(request.param), monkeypatch,
+                               **{**ONLINE, "drafter.proposer": request.param})
 
 
-def test_rl_run_trains_the_mtp_head(models, mtp_run):
+def test_rl_run_trains_the_head(models, head_run):
   """The head changes, the engine drafts with the learner's new head (lag 1) and the
   update logs the head's loss and acceptance."""
-  trainer, records, _ = mtp_run
+  name, (trainer, records, _) = head_run
   for r in records:
     assert r["train/draft_skipped"] == 0 and r["spec/draft_lag_steps"] == 1
     assert r["train/draft_loss"] > 0 and 0 < r["train/draft_acceptance"] <= 1
     assert r["spec/acceptance_length"] >= 1.0
-  start = mtp.load_mtp(models["mtp"])
+  start = LOAD[name](models[name])
   head = trainer.proposer.model()
-  assert isinstance(head, mtp.MTPHeads)
-  assert max(np.abs(np.asarray(x) - np.asarray(y)).max() for x, y in zip(
-      _leaves(nnx.state(head)), _leaves(nnx.state(start)), strict=True)) > 0
-  for x, y in zip(_leaves(nnx.state(head)), _leaves(trainer.learner.state["draft"]),
+  assert type(head) is type(start)
+  assert max(np.abs(x - y).max() for x, y in zip(
+      _leaves(nnx.state(head, nnx.Param)), _leaves(nnx.state(start, nnx.Param)),
+      strict=True)) > 0
+  for x, y in zip(_leaves(nnx.state(head, nnx.Param)), _leaves(trainer.learner.state["draft"]),
                   strict=True):
     np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.slow
-def test_online_head_keeps_greedy_rollouts_lossless(models, mtp_run, tmp_path, monkeypatch):
+def test_online_head_keeps_greedy_rollouts_lossless(models, head_run, tmp_path, monkeypatch):
   """Drafting with the head as it trains, the greedy responses are the autoregressive
   run's, step by step."""
   _, _, ar_texts = _run(models, tmp_path / "ar", monkeypatch,
-                        **{**MTP_ONLINE, "drafter.num_draft_tokens": 0,
-                           "drafter.train.every": 0})
-  assert mtp_run[2] == ar_texts
+                        **{**ONLINE, "drafter.num_draft_tokens": 0, "drafter.train.every": 0})
+  assert head_run[1][2] == ar_texts
 
 
 @pytest.mark.slow
-def test_resume_restores_the_head_and_its_optimizer(models, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", HEADS)
+def test_resume_restores_the_head_and_its_optimizer(models, tmp_path, monkeypatch, name):
   """Async (staleness 1), stopped at the checkpoint after step 2 and resumed, a run
   that trains the head online ends with the uninterrupted run's policy, head and head
   optimizer state, bit for bit (sampled rollouts: the policy moves, and the resumed
-  run drafts from the restored head)."""
+  run drafts from the restored head); the run exports the trained head whole."""
   # Rewards that vary within a group on random tiny models: the policy moves.
   monkeypatch.setitem(rewards.REWARDS, "parity", lambda response, answer: len(response) % 2)
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("".join(f'{{"prompt": "{a}+{b}=", "answer": "{a + b}"}}\n'
                              for a in range(4) for b in range(3)))
-  run = {**MTP_ONLINE, "rollout.temperature": 1.0, "learner.lr": 1e-2,
+  run = {**ONLINE, "drafter.proposer": name, "rollout.temperature": 1.0, "learner.lr": 1e-2,
          "data.sources": f"[jsonl:{prompts}]", "data.default_reward": "parity",
          "steps": 4, "checkpoint.every": 2, "rl.mode": "async", "rl.max_staleness": 1,
          "learner.loss": "decoupled_ppo"}
@@ -215,3 +227,9 @@ def test_resume_restores_the_head_and_its_optimizer(models, tmp_path, monkeypatc
   policy0 = nnx.to_pure_dict(nnx.state(checkpoint.load_model(models["policy"])[0]))
   assert max(np.abs(x - y).max() for x, y in zip(
       _leaves(straight.learner.state["params"]), _leaves(policy0), strict=True)) > 0
+  out = tmp_path / "export"
+  export.export(str(tmp_path / "stopped"), str(out), log=lambda _: None)
+  exported = LOAD[name](str(out / name))
+  for x, y in zip(_leaves(nnx.state(exported)), _leaves(nnx.state(resumed.proposer.model())),
+                  strict=True):
+    np.testing.assert_array_equal(x, y)

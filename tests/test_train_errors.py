@@ -107,7 +107,8 @@ def test_nan_drafter_loss_is_skipped_and_counted(models, tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides,error,match", [
     ({"drafter.proposer": "ngram"}, ValueError, "'ngram' proposer has no weights to train"),
     ({"drafter.num_draft_tokens": 0}, ValueError, "there is no drafter to train"),
-    ({"drafter.proposer": "eagle3"}, ValueError, "online training covers draft models"),
+    ({"drafter.proposer": "eagle3", "drafter.train.loss": "tv"}, ValueError,
+     "the eagle3 head trains with its kind's loss"),
     ({"drafter.train.loss": "kl"}, ConfigError,
      "drafter.train.loss='kl' is not one of \\['forward_kl', 'reverse_kl', 'tv'\\]"),
     ({"drafter.train.loss_weight": -1}, ConfigError, "loss_weight must be >= 0, got -1"),

@@ -32,7 +32,9 @@ rules (losses.py holds the divergences and the per-sequence weights). A draft he
 (MTP, Eagle3: ``head_sft.HEADS``) reads the policy's hidden states: the same forward
 also returns the layers the head reads, stop-gradient like the logits, and the head
 trains with its kind's loss, the one SFT uses (`head_sft.head_distill`), its positions
-weighted by the drafter weights.
+weighted by the drafter weights. (Eagle3's loss renormalises each draft step ``s`` over
+the positions ``j >= s``; response positions all satisfy that when prompts are longer
+than ``ttt_steps``, and then the micro-batches' losses add up to the mini-batch's.)
 
 A non-finite loss or gradient leaves that model's state unchanged (the step is skipped
 inside the jitted update) and is reported as ``skipped`` (``draft_skipped``).
@@ -68,8 +70,6 @@ _SUMS = ("count", "clipped", "entropy", "kl", "gap_abs", "ratio", "draft_accept"
 # What the accumulator carries besides the gradients (the losses: weighted sums).
 _STATS = ("loss", "draft_loss", *_SUMS)
 BUCKETS = 8  # micro-batch lengths per T (`padded_len`)
-# The `head_sft.HEADS` kinds the learner trains online (the others train offline only).
-ONLINE_HEADS = ("mtp",)
 
 
 def pack_rollouts(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -336,12 +336,10 @@ class Learner:
                          f" differs from the policy's ({model.cfg.vocab_size}): it cannot"
                          " be distilled from the policy's next-token distributions")
       return DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature)
-    if draft_head not in ONLINE_HEADS:
-      raise ValueError(f"a {draft_head!r} head trains offline only (python -m spec_rl_jax.sft"
-                       f" --target {draft_head}); online: draft models and {ONLINE_HEADS}")
+    head_sft.head_kind(draft_head)
     drafter.cfg.check_policy(model.cfg)
     if draft_cfg.loss != "forward_kl":
-      raise ValueError(f"drafter.train.loss={draft_cfg.loss!r}: a {draft_head} head trains"
+      raise ValueError(f"drafter.train.loss={draft_cfg.loss!r}: the {draft_head} head trains"
                        " with its kind's loss (head_sft: forward KL); set"
                        " drafter.train.loss=forward_kl")
     return DistillParams(draft_cfg.loss, draft_cfg.loss_weight, temperature, draft_head,
