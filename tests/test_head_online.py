@@ -92,6 +92,26 @@ def test_online_head_loss_is_sfts_and_leaves_the_policy_update(policy_only, name
   assert learner.draft_model().cfg == head0.cfg
 
 
+def test_reward_weighted_head_loss():
+  """ReSpec's reward weighting weighs the head's positions as it does a draft model's:
+  the head's loss with the weights ``losses.draft_weights("reward", ...)`` (the SFT loss
+  function with other weights)."""
+  train_cfg = dataclasses.replace(TRAIN, weighting="reward", reward_temperature=0.5)
+  learner = _learner(_heads(), train_cfg)
+  head0, batch, kind = learner.draft_model(), _batch(), head_sft.head_kind("mtp")
+  out, tables = head_sft._policy_pass(learner.graphdef, learner.state["params"], head0,
+                                      batch["tokens"], batch["valid"])
+  w = losses.draft_weights("reward", batch["mask"], batch["reward"], 0.5)
+  want, *_ = head_sft.head_distill(head0, tables, out, batch["tokens"], batch["valid"], w,
+                                   kind, kind.Options())
+  uniform, *_ = head_sft.head_distill(head0, tables, out, batch["tokens"], batch["valid"],
+                                      head_sft.mask_weights(batch["mask"]), kind,
+                                      kind.Options())
+  assert abs(float(want) - float(uniform)) > 1e-4  # the weighting matters on this batch
+  metrics = learner.update(batch, train_draft=True)
+  assert metrics["draft_loss"] == pytest.approx(float(want), rel=1e-5)
+
+
 def test_nan_head_is_skipped_and_never_reaches_the_policy(policy_only):
   heads = _heads()
   scale = heads.layers.head_norm.scale
