@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from flax import nnx
 
 from spec_rl_jax.compiles import CompileCounter
 from spec_rl_jax.models import hf_io
