@@ -181,6 +181,12 @@ class Trainer:
     self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer,
                                     self.rollout_mesh, config=cfg.drafter.options)
                      if cfg.drafter.k_max else None)
+    if self.proposer is not None and self.proposer.model() is not None:
+      # A drafter's weights on the learner's mesh by the sharding rules (heads load whole
+      # on the first device): they checkpoint like every other state, on one process or
+      # several (orbax refuses a single-device array in a multi-process save).
+      head = self.proposer.model()
+      nnx.update(head, sharding.device_put_state(nnx.state(head), self.mesh))
     drafter, draft_head = self._drafter_to_train()
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens, drafter, cfg.drafter.train,
                            r.temperature, draft_head)

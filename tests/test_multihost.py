@@ -282,6 +282,17 @@ def test_draft_model_rollouts_on_two_processes(models, prompts, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("proposer", ["ngram", "self_sparse", "mtp", "eagle3"])
+def test_other_proposers_on_two_processes(models, prompts, tmp_path, proposer):
+  """The model-free drafts and the heads (loaded whole on every process, then copied
+  onto the mesh) on the two processes' mesh: the one-process policy, bit for bit."""
+  extra = {"drafter.proposer": proposer, "drafter.num_draft_tokens": 2}
+  _train(tmp_path, "two", _args(models, tmp_path / "two", prompts, **extra), 2)
+  _train(tmp_path, "one", _args(models, tmp_path / "one", prompts, **extra), 1)
+  _assert_same(_final_params(tmp_path / "two")[1], _final_params(tmp_path / "one")[1])
+
+
+@pytest.mark.slow
 def test_offloaded_preemptions_on_two_processes(models, prompts, tmp_path, monkeypatch):
   """A KV budget short of the batch's: sequences preempted (their KV pages copied to
   host memory on every process, the same preemptions on both) and restored give the
