@@ -20,8 +20,8 @@ What is counted, per chip:
   * the rollout engine's device state (`rollout.device.DevicePrograms.init_state`): the
     policy's paged KV pool, the proposer's state (a draft model's KV pool) and the slot
     bookkeeping;
-  * a drafter with weights: the engine's copy, the proposer's own (as loaded, whole on
-    the first device) and, when it trains online, its parameters, moments and gradients;
+  * a drafter with weights: the engine's copy, the proposer's own (on the learner's
+    mesh) and, when it trains online, its parameters, moments and gradients;
   * the update's activations: the residuals the backward pass of one micro-batch keeps
     (the VJP of the learner's loss, `rl.learner._micro_loss`, traced by ``eval_shape``
     with the recipe's ``learner.rematerialize``) for the rows and the tensor-split
@@ -213,10 +213,6 @@ def _weights_bytes(model: nnx.Module, mesh: AbstractMesh) -> int:
   return _chip_bytes(state, sharding.state_shardings(state, mesh))
 
 
-def _whole_bytes(model: nnx.Module) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(nnx.state(model)))
-
-
 def _optimizer_bytes(tx: optax.GradientTransformation, model: nnx.Module,
                      mesh: AbstractMesh) -> int:
   """One chip's share of ``tx``'s state, laid out as the learner lays it out (moments
@@ -397,10 +393,9 @@ def plan(cfg: TrainConfig, capacity: int | None = None, chip: str = "") -> tuple
   if drafter is not None:
     engine.append(("drafter weights, rollout engine's copy",
                    _weights_bytes(drafter, engine_mesh)))
-    # The proposer's own copy sits whole on the first device: the learner's.
-    learner.append(("drafter weights as loaded (whole, first chip)", _whole_bytes(drafter)))
+    d = _weights_bytes(drafter, learner_mesh)
+    learner.append(("drafter weights, the proposer's", d))
     if trains:
-      d = _weights_bytes(drafter, learner_mesh)
       learner += [("drafter params", d),
                   ("drafter Adam moments", _optimizer_bytes(
                       rl_learner.make_optimizer(cfg.drafter.train), drafter, learner_mesh)),
