@@ -174,19 +174,14 @@ class Trainer:
       raise ValueError(f"{cfg.policy.path} has no tokenizer")
     # Saved before the first step, so every run directory (even a killed one) is a
     # complete policy.path and exports with its tokenizer.
-    if jax.process_index() == 0:
+    if distributed.is_writer():
       tokenizer.save(os.path.join(cfg.run_dir, checkpoint.TOKENIZER_DIR))
-    nnx.update(policy, sharding.device_put_state(nnx.state(policy), self.mesh))
     self.tokenizer = tokenizer
-    self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer,
-                                    self.rollout_mesh, config=cfg.drafter.options)
+    # The drafter's own weights on the learner's mesh, where they train and checkpoint
+    # (on several processes orbax saves no single-device array); the engine copies them.
+    self.proposer = (build_proposer(cfg.drafter.proposer, policy, tokenizer, self.mesh,
+                                    config=cfg.drafter.options)
                      if cfg.drafter.k_max else None)
-    if self.proposer is not None and self.proposer.model() is not None:
-      # A drafter's weights on the learner's mesh by the sharding rules (heads load whole
-      # on the first device): they checkpoint like every other state, on one process or
-      # several (orbax refuses a single-device array in a multi-process save).
-      head = self.proposer.model()
-      nnx.update(head, sharding.device_put_state(nnx.state(head), self.mesh))
     drafter, draft_head = self._drafter_to_train()
     self.learner = Learner(policy, cfg.learner, r.max_new_tokens, drafter, cfg.drafter.train,
                            r.temperature, draft_head)

@@ -127,7 +127,9 @@ class Proposer:
 
   @classmethod
   def build(cls, config: Any, policy, tokenizer=None, mesh=None) -> "Proposer":
-    """The proposer for ``policy`` (its `Decoder`), ``tokenizer`` and ``mesh``."""
+    """The proposer for ``policy`` (its `Decoder`) and ``tokenizer``; its weights, if
+    any, on ``mesh`` by the sharding rules (the learner's, which trains and checkpoints
+    them; the engine keeps its own copy on its mesh)."""
     del policy, tokenizer, mesh
     return cls(config)
 

@@ -72,7 +72,7 @@ class DraftModelProposer(Proposer):
   @classmethod
   def build(cls, config: DraftModelConfig, policy, tokenizer=None, mesh=None):
     path = checkpoint.resolve_path(config.path)
-    # Loaded onto the engine's mesh: in a multi-host run each process reads its shards.
+    # Loaded onto ``mesh``: in a multi-host run each process reads its shards.
     draft, draft_tok = checkpoint.load_model(path, policy.cfg.attention_impl, mesh)
     return cls(config, draft, draft_tok, tokenizer)
 

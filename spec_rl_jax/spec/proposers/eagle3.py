@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spec_rl_jax import checkpoint
+from spec_rl_jax import checkpoint, sharding
 from spec_rl_jax.models import eagle3
 from spec_rl_jax.models.eagle3 import Eagle3Head
 from spec_rl_jax.rollout.paged_cache import PagedKVCache
@@ -67,9 +67,10 @@ class Eagle3Proposer(Proposer):
   @classmethod
   def build(cls, config: Eagle3ProposerConfig, policy, tokenizer=None, mesh=None):
     from spec_rl_jax.models import eagle3_io  # noqa: PLC0415 (safetensors reader)
-    del mesh  # the engine places the weights on the policy's mesh
     path = checkpoint.resolve_path(config.path)
     head = eagle3_io.load_eagle3(path, policy.cfg)
+    if mesh is not None:  # loaded whole on the first device
+      nnx.update(head, sharding.device_put_state(nnx.state(head), mesh))
     vocab = tokenizer.backend.get_vocab() if tokenizer is not None else None
     return cls(config, head, policy, vocab)
 

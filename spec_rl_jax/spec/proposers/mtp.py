@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from spec_rl_jax import checkpoint
+from spec_rl_jax import checkpoint, sharding
 from spec_rl_jax.models import mtp
 from spec_rl_jax.models.eagle3 import policy_fingerprint
 from spec_rl_jax.models.transformer import Decoder
@@ -81,11 +81,13 @@ class MTPProposer(Proposer):
 
   @classmethod
   def build(cls, config: MTPProposerConfig, policy, tokenizer=None, mesh=None):
-    del mesh  # the engine places the weights on the policy's mesh
     path = checkpoint.resolve_path(config.path)
     fingerprint = (policy_fingerprint(policy.cfg, tokenizer.backend.get_vocab())
                    if tokenizer is not None else None)
-    return cls(config, mtp.load_mtp(path, policy.cfg, fingerprint), policy, fingerprint)
+    heads = mtp.load_mtp(path, policy.cfg, fingerprint)
+    if mesh is not None:  # loaded whole on the first device
+      nnx.update(heads, sharding.device_put_state(nnx.state(heads), mesh))
+    return cls(config, heads, policy, fingerprint)
 
   def model(self) -> mtp.MTPHeads:
     return self._heads
